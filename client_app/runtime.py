@@ -1,0 +1,83 @@
+"""What a client process keeps between messages: the base model (loaded once), the adapter, the data.
+
+In simulation, Ray actors are long-lived, so one process serves many rounds and many virtual clients: the model
+is cached per (model, quantisation, LoRA settings) and the data per partition. ``model_loads`` counts how often
+this process really loaded a base model; clients report it so tests (and users) can see that it stays at 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr.app import Context
+
+from common.adapters import attach_lora, get_adapter_arrays
+from common.config import RunConfig
+from common.data import Example, client_data
+from common.model import load_base_model, load_tokenizer
+
+log = logging.getLogger("tessera.client")
+
+_MODELS: dict[tuple, tuple[Any, Any, dict]] = {}
+_DATA: dict[tuple, tuple[list[Example], list[Example]]] = {}
+model_loads = 0
+
+
+@dataclass
+class ClientRuntime:
+    cfg: RunConfig
+    model: Any  # a PeftModel over the frozen (4-bit) base
+    tokenizer: Any
+    initial_arrays: dict
+    partition_id: int
+    model_name: str
+    train: list[Example]
+    test: list[Example]
+    names: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.names = sorted(self.initial_arrays)
+
+    def identity(self) -> dict[str, Any]:
+        """Who answered: reported beside every metric."""
+        tasks = ",".join(sorted({e.task for e in self.train}))
+        return {"partition-id": self.partition_id, "tasks": tasks, "model": self.model_name, "pid": os.getpid(), "model-loads": model_loads}
+
+
+def get_runtime(context: Context) -> ClientRuntime:
+    global model_loads
+    cfg = RunConfig.from_flat(dict(context.run_config))
+    partition_id = int(context.node_config.get("partition-id", 0))
+    num_partitions = int(context.node_config.get("num-partitions", 1))
+    model_name = str(context.node_config.get("model", cfg.model.name))  # a per-node model overrides the run's
+    key = (model_name, cfg.model.quantization, cfg.model.device, cfg.lora.model_dump_json(), cfg.seed)
+    if key not in _MODELS:
+        _configure_threads()
+        log.info("process %d: loading base model %s (%s)", os.getpid(), model_name, cfg.model.quantization)
+        base = load_base_model(model_name, cfg.model.quantization, cfg.model.device)
+        model = attach_lora(base, cfg.lora, seed=cfg.seed)
+        _MODELS[key] = (model, load_tokenizer(model_name), get_adapter_arrays(model))
+        model_loads += 1
+    model, tokenizer, initial = _MODELS[key]
+    data_key = (cfg.data.model_dump_json(), partition_id, num_partitions, cfg.seed)
+    if data_key not in _DATA:
+        _DATA[data_key] = client_data(cfg.data, partition_id, num_partitions, cfg.seed)
+    train, test = _DATA[data_key]
+    return ClientRuntime(cfg, model, tokenizer, initial, partition_id, model_name, train, test)
+
+
+def _configure_threads() -> None:
+    """Use the CPUs Flower/Ray gave this process (Ray sets OMP_NUM_THREADS), at least one."""
+    import torch
+
+    wanted = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, wanted))
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:  # pragma: no cover
+        pass

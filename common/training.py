@@ -1,0 +1,106 @@
+"""Local training of the adapter: chat-formatted examples, loss on the answer tokens only.
+
+Each round runs ``local-steps`` optimiser steps of ``batch-size`` x ``grad-accum-steps`` examples. The learning
+rate follows a cosine decay ACROSS rounds (constant inside one round), so late rounds refine rather than undo.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import TrainSection
+from .data import Example
+
+log = logging.getLogger(__name__)
+IGNORE = -100
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE on the prompt, token ids on the answer
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The chat-templated prompt, ending with the assistant header (what generation starts from)."""
+    if tokenizer.chat_template:
+        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    return tokenizer(prompt + "\n")["input_ids"]
+
+
+def encode(tokenizer, example: Example, max_len: int) -> Encoded:
+    """Prompt + answer + EOS, truncated from the LEFT of the prompt so the answer always survives."""
+    p_ids = prompt_ids(tokenizer, example.prompt)
+    a_ids = tokenizer(example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    a_ids = a_ids[: max_len // 2]
+    p_ids = p_ids[-(max_len - len(a_ids)) :]
+    return Encoded(p_ids + a_ids, [IGNORE] * len(p_ids) + a_ids)
+
+
+def collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, e in enumerate(batch):
+        n = len(e.input_ids)
+        ids[row, :n] = torch.tensor(e.input_ids)
+        labels[row, :n] = torch.tensor(e.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def round_learning_rate(cfg: TrainSection, server_round: int, num_rounds: int) -> float:
+    """Cosine decay from ``learning-rate`` (round 1) to ``learning-rate * min-lr-ratio`` (last round)."""
+    progress = 0.0 if num_rounds <= 1 else (server_round - 1) / (num_rounds - 1)
+    floor = cfg.min_lr_ratio
+    return cfg.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
+
+
+def train_round(model, tokenizer, examples: list[Example], cfg: TrainSection, lr: float, seed: int) -> dict[str, float]:
+    """Train the model's trainable parameters in place; return loss, example/token counts and seconds."""
+    start = time.perf_counter()
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    rng = random.Random(seed)
+    encoded = [encode(tokenizer, e, cfg.max_seq_len) for e in examples]
+    order: list[int] = []
+    model.train()
+    losses, tokens, seen = [], 0, 0
+    for step in range(cfg.local_steps):
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for _ in range(cfg.grad_accum_steps):
+            if len(order) < cfg.batch_size:  # epoch-style sampling: every example before any repeats
+                fresh = list(range(len(encoded)))
+                rng.shuffle(fresh)
+                order.extend(fresh)
+            batch = collate([encoded[i] for i in order[: cfg.batch_size]], tokenizer.pad_token_id)
+            del order[: cfg.batch_size]
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss = model(**batch).loss / cfg.grad_accum_steps
+            loss.backward()
+            step_loss += float(loss.detach())
+            tokens += int(batch["attention_mask"].sum())
+            seen += batch["input_ids"].shape[0]
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.step()
+        losses.append(step_loss)
+        log.debug("step %d/%d loss %.4f", step + 1, cfg.local_steps, step_loss)
+    model.eval()
+    seconds = time.perf_counter() - start
+    return {
+        "train_loss": float(sum(losses) / len(losses)),
+        "train_examples": seen,
+        "train_tokens": tokens,
+        "train_seconds": seconds,
+        "tokens_per_second": tokens / max(seconds, 1e-9),
+    }

@@ -1,0 +1,175 @@
+"""The ServerApp: validate the run config, drive rounds, evaluate, write metrics, checkpoint, resume, save.
+
+Each round: the strategy names its groups; every group's mean arrives through the plain or the SecAgg+ transport;
+the strategy folds the means in; every node evaluates the adapter it will use; one metrics row per node plus an
+aggregate row go to ``metrics.jsonl``; the server state is checkpointed. Round 0 is the evaluation before any
+training. With ``resume=true`` a restarted run continues after its last completed round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from common.adapters.lora import save_peft_adapter
+from common.config import RunConfig
+from common.records import num_bytes
+from strategies import Strategy, build_strategy
+from strategies.base import GroupResult
+
+from .rundir import RunDirectory
+from .transport import evaluate_nodes, query_initial_adapter, train_group_plain, train_group_secure, wait_for_nodes
+
+log = logging.getLogger("tessera.server")
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_federation(grid, context)
+
+
+def run_federation(grid: Grid, context: Context) -> RunDirectory:
+    cfg = RunConfig.from_flat(dict(context.run_config))  # fails before round 1, naming the key
+    _setup_logging()
+    run = RunDirectory(cfg.run_dir)
+    strategy = build_strategy(cfg.strategy)
+    node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.round_timeout)
+    log.info("strategy=%s secure=%s rounds=%d nodes=%s run-dir=%s", cfg.strategy, cfg.secure, cfg.num_server_rounds, node_ids, run.path)
+
+    first_round = 1
+    checkpoint = run.load_checkpoint() if cfg.resume else None
+    if checkpoint is not None:
+        meta, state = checkpoint
+        if meta["strategy"] != strategy.name:
+            raise ValueError(f"resume: the checkpoint in {run.checkpoint_dir} is for strategy '{meta['strategy']}', not '{strategy.name}'")
+        strategy.load_state_dict(state)
+        first_round = meta["round"] + 1
+        run.truncate_metrics_after(meta["round"])
+        log.info("resuming after round %d from %s", meta["round"], run.checkpoint_dir)
+    else:
+        if run.metrics_path.exists():
+            run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
+        strategy.initialise(query_initial_adapter(grid, node_ids, cfg.round_timeout))
+        _evaluate_round(grid, cfg, strategy, run, 0, node_ids, {}, time.perf_counter())
+        run.save_checkpoint(0, strategy.name, strategy.state_dict(), {"nodes": node_ids})
+
+    for server_round in range(first_round, cfg.num_server_rounds + 1):
+        started = time.perf_counter()
+        node_ids = sorted(grid.get_node_ids()) or node_ids
+        results = _train_round(grid, context, cfg, strategy, server_round, node_ids)
+        accepted = sum(len(r.contributors) for r in results)
+        if accepted < cfg.min_train_replies:
+            log.error(
+                "round %d failed: %d valid replies < min-train-replies=%d (rejected: %s); keeping the previous adapters",
+                server_round, accepted, cfg.min_train_replies, {n: why for r in results for n, why in r.rejected.items()},
+            )
+            results = [GroupResult(r.name, None, 0.0, [], r.rejected, r.metrics) for r in results]
+        aggregate_started = time.perf_counter()
+        strategy.update(server_round, results)
+        aggregate_seconds = time.perf_counter() - aggregate_started
+        _evaluate_round(grid, cfg, strategy, run, server_round, node_ids, _train_rows(results, aggregate_seconds), started)
+        run.save_checkpoint(server_round, strategy.name, strategy.state_dict(), {"nodes": node_ids})
+
+    adapters = _save_adapters(cfg, strategy, run)
+    plot = run.plot_eval_loss()
+    log.info("done. metrics: %s | plot: %s | adapter: %s", run.metrics_path, plot, ", ".join(str(a) for a in adapters))
+    print(f"[tessera] metrics: {run.metrics_path}\n[tessera] plot: {plot}\n[tessera] adapter: {', '.join(str(a) for a in adapters)}", flush=True)
+    return run
+
+
+def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:
+    return {"server-round": server_round, "num-server-rounds": cfg.num_server_rounds}
+
+
+def _train_round(grid: Grid, context: Context, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]) -> list[GroupResult]:
+    results = []
+    for group in strategy.train_groups(server_round, node_ids):
+        log.info("round %d: training group %s (%d clients)%s", server_round, group.name, len(group.members), " via SecAgg+" if cfg.secure else "")
+        config = _train_config(cfg, server_round)
+        if cfg.secure:
+            examples_per_round = cfg.train.local_steps * cfg.train.batch_size * cfg.train.grad_accum_steps
+            result = train_group_secure(grid, context, server_round, group, config, cfg.secagg, max_weight=examples_per_round)
+        else:
+            result = train_group_plain(grid, server_round, group, config, cfg.round_timeout)
+        for nid in result.metrics:
+            result.metrics[nid].setdefault("bytes_up", num_bytes(group.start[nid]))
+            result.metrics[nid]["bytes_down"] = num_bytes(group.start[nid])
+        results.append(result)
+    return results
+
+
+def _train_rows(results: list[GroupResult], aggregate_seconds: float) -> dict[int | None, dict[str, Any]]:
+    rows: dict[int | None, dict[str, Any]] = {None: {"aggregate_seconds": aggregate_seconds, "rejected": {}}}
+    for result in results:
+        for nid, metrics in result.metrics.items():
+            rows[nid] = {
+                "group": result.name,
+                "train_loss": metrics.get("train_loss"),
+                "train_tokens": metrics.get("train_tokens"),
+                "train_seconds": metrics.get("train_seconds"),
+                "tokens_per_second": metrics.get("tokens_per_second"),
+                "bytes_up": metrics.get("bytes_up", 0),
+                "bytes_down": metrics.get("bytes_down", 0),
+                "accepted": nid in result.contributors,
+            }
+        rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
+    return rows
+
+
+def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory, server_round: int, node_ids: list[int], train_rows, started: float) -> None:
+    arrays_by_node = {nid: strategy.eval_arrays(nid) for nid in node_ids}
+    evaluated = evaluate_nodes(grid, server_round, arrays_by_node, {"server-round": server_round}, cfg.round_timeout)
+    rows, totals = [], {"eval_loss": 0.0, "exact_match": 0.0, "rouge_l": 0.0, "n": 0}
+    seconds = time.perf_counter() - started
+    for nid in node_ids:
+        metrics = evaluated.get(nid)
+        row: dict[str, Any] = {"round": server_round, "node": nid, "seconds": seconds}
+        row.update(train_rows.get(nid, {"bytes_up": 0, "bytes_down": 0}))
+        row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
+        if isinstance(metrics, dict):
+            row.update({k: metrics.get(k) for k in ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")})
+            row.update({k.replace("-", "_"): metrics.get(k) for k in ("partition-id", "tasks", "model", "pid", "model-loads")})
+            n = int(metrics.get("eval_examples", 0))
+            for key in ("eval_loss", "exact_match", "rouge_l"):
+                totals[key] += float(metrics[key]) * n
+            totals["n"] += n
+        else:
+            row.update({"eval_loss": None, "exact_match": None, "rouge_l": None, "eval_error": metrics})
+        rows.append(row)
+    n = max(totals["n"], 1)
+    aggregate = {"round": server_round, "node": None, "seconds": seconds, **train_rows.get(None, {})}
+    aggregate.update({k: (totals[k] / n if totals["n"] else None) for k in ("eval_loss", "exact_match", "rouge_l")})
+    aggregate["bytes_up"] = sum(r.get("bytes_up", 0) for r in rows)
+    aggregate["bytes_down"] = sum(r.get("bytes_down", 0) for r in rows)
+    rows.append(aggregate)
+    run.append_metrics(rows)
+    log.info(
+        "round %d: eval loss %s | EM %s | ROUGE-L %s | %.1fs",
+        server_round, _fmt(aggregate["eval_loss"]), _fmt(aggregate["exact_match"]), _fmt(aggregate["rouge_l"]), seconds,
+    )
+
+
+def _save_adapters(cfg: RunConfig, strategy: Strategy, run: RunDirectory) -> list:
+    adapters = strategy.final_adapters()
+    if len(adapters) == 1:
+        (arrays,) = adapters.values()
+        return [save_peft_adapter(arrays, cfg.lora, cfg.model.name, run.path / "adapter")]
+    return [save_peft_adapter(arrays, cfg.lora, cfg.model.name, run.path / "adapters" / name) for name, arrays in adapters.items()]
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def _setup_logging() -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s tessera %(levelname)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False

@@ -1,0 +1,115 @@
+"""A run directory: metrics (JSON lines), the per-round checkpoint, plots and the final adapters.
+
+Layout of ``<run-dir>``:
+- ``metrics.jsonl`` — one object per round and node (``node`` null for the aggregate row).
+- ``checkpoint/state.npz`` + ``checkpoint/state.json`` — written atomically after every completed round.
+- ``eval_loss.png`` — per-client eval loss per round.
+- ``adapter/`` (or ``adapters/<name>/``) — PEFT adapter directories loadable by ``PeftModel.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from strategies.base import Arrays
+
+
+class RunDirectory:
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path).expanduser()
+        if not path.is_absolute():  # the ServerApp's working directory is Flower's choice, not the user's
+            path = Path(os.environ.get("TESSERA_RUN_ROOT", os.getcwd())) / path
+        self.path = path.resolve()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.checkpoint_dir = self.path / "checkpoint"
+
+    # metrics -------------------------------------------------------------------------------------------------
+    def append_metrics(self, rows: list[dict[str, Any]]) -> None:
+        with open(self.metrics_path, "a") as handle:
+            for row in rows:
+                handle.write(json.dumps(_jsonable(row)) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        with open(self.metrics_path) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    def truncate_metrics_after(self, last_round: int) -> None:
+        """Drop rows of rounds after ``last_round`` (a crash between metrics and checkpoint leaves such rows)."""
+        kept = [r for r in self.read_metrics() if r["round"] <= last_round]
+        tmp = self.metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.metrics_path)
+
+    # checkpoint ----------------------------------------------------------------------------------------------
+    def save_checkpoint(self, server_round: int, strategy_name: str, state: dict[str, Arrays], meta: dict[str, Any]) -> None:
+        self.checkpoint_dir.mkdir(exist_ok=True)
+        flat = {f"{group}/{key}": value for group, arrays in state.items() for key, value in arrays.items()}
+        tmp_npz = self.checkpoint_dir / "state.tmp.npz"
+        np.savez(tmp_npz, **flat)
+        tmp_json = self.checkpoint_dir / "state.tmp.json"
+        tmp_json.write_text(json.dumps({"round": server_round, "strategy": strategy_name, **meta}, indent=2))
+        # arrays first, then the json that points at them: a crash in between leaves the previous round valid
+        os.replace(tmp_npz, self.checkpoint_dir / "state.npz")
+        os.replace(tmp_json, self.checkpoint_dir / "state.json")
+
+    def load_checkpoint(self) -> tuple[dict[str, Any], dict[str, Arrays]] | None:
+        meta_path = self.checkpoint_dir / "state.json"
+        if not meta_path.exists():
+            return None
+        meta = json.loads(meta_path.read_text())
+        state: dict[str, Arrays] = {}
+        with np.load(self.checkpoint_dir / "state.npz") as data:
+            for flat_key in data.files:
+                group, key = flat_key.split("/", 1)
+                state.setdefault(group, {})[key] = data[flat_key]
+        return meta, state
+
+    # plots ---------------------------------------------------------------------------------------------------
+    def plot_eval_loss(self) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in self.read_metrics() if r.get("eval_loss") is not None]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for node in sorted({r["node"] for r in rows}, key=lambda n: (n is None, n or 0)):
+            mine = sorted((r["round"], r["eval_loss"]) for r in rows if r["node"] == node)
+            label = "aggregate" if node is None else f"client {_client_label(rows, node)}"
+            ax.plot([m[0] for m in mine], [m[1] for m in mine], marker="o", label=label, linewidth=2.5 if node is None else 1.2)
+        ax.set_xlabel("round")
+        ax.set_ylabel("held-out loss (answer tokens)")
+        ax.set_title("Per-client evaluation loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        out = self.path / "eval_loss.png"
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+        return out
+
+
+def _client_label(rows: list[dict[str, Any]], node: int) -> str:
+    tasks = next((r.get("tasks") for r in rows if r["node"] == node and r.get("tasks")), None)
+    pid = next((r.get("partition_id") for r in rows if r["node"] == node and r.get("partition_id") is not None), None)
+    return f"{pid} ({tasks})" if pid is not None else str(node)
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in row.items():
+        if isinstance(value, (np.floating, np.integer)):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            value = None
+        out[key] = value
+    return out

@@ -1,0 +1,183 @@
+"""How a group's mean reaches the server: plain sums in the clear, or Flower's SecAgg+ workflow.
+
+Both functions take a ``strategies.Group`` and return a ``strategies.GroupResult``; strategies never see which
+one ran. Plain mode validates every reply (keys, shapes, NaN/Inf, num_examples) and leaves bad ones out with a
+logged reason. Secure mode runs one ``SecAggPlusWorkflow`` for the group with a fresh ``LegacyContext`` whose
+legacy strategy only selects the group and captures the unmasked mean; clients refuse to mask a non-finite
+update, and SecAgg+ treats them as dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+
+from common.config import SecAggSection
+from common.records import (
+    ReplyError,
+    check_arrays,
+    eval_instruction,
+    num_bytes,
+    read_metrics,
+    read_train_reply,
+    train_instruction,
+)
+from strategies.aggregation import weighted_mean
+from strategies.base import Arrays, Group, GroupResult
+
+log = logging.getLogger("tessera.server")
+
+
+def _send(grid, messages: list[Message], timeout: float) -> dict[int, Message | str]:
+    """Send and wait; map every destination to its reply, or to the reason there is none."""
+    dst = [m.metadata.dst_node_id for m in messages]
+    out: dict[int, Message | str] = {nid: f"no reply within {timeout:.0f}s" for nid in dst}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        src = reply.metadata.src_node_id
+        out[src] = f"client error: {reply.error.reason}" if reply.has_error() else reply
+    return out
+
+
+def train_group_plain(grid, server_round: int, group: Group, config: dict[str, Any], timeout: float) -> GroupResult:
+    """Train every member from its start adapter; return the example-weighted mean of the valid replies."""
+    messages = [
+        Message(train_instruction(group.start[nid], config), dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round))
+        for nid in group.members
+    ]
+    result = GroupResult(group.name, None, 0.0, [])
+    updates, weights = [], []
+    for nid, reply in _send(grid, messages, timeout).items():
+        try:
+            if isinstance(reply, str):
+                raise ReplyError(reply)
+            arrays, n, metrics = read_train_reply(reply.content, group.start[nid])
+        except (ReplyError, KeyError, TypeError, ValueError) as err:
+            result.rejected[nid] = str(err)
+            log.warning("round %d group %s: reply from node %d rejected: %s", server_round, group.name, nid, err)
+            continue
+        updates.append(arrays)
+        weights.append(n)
+        result.contributors.append(nid)
+        result.metrics[nid] = {**metrics, "num_examples": n, "bytes_up": num_bytes(arrays)}
+    if updates:
+        result.mean = weighted_mean(updates, weights)
+        result.total_weight = float(sum(weights))
+    return result
+
+
+def train_group_secure(
+    grid, context: Context, server_round: int, group: Group, config: dict[str, Any], cfg: SecAggSection, max_weight: float
+) -> GroupResult:
+    """The same contract as ``train_group_plain``, through one run of Flower's SecAgg+ protocol."""
+    from flwr.server import LegacyContext
+    from flwr.server.workflow import SecAggPlusWorkflow
+    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
+
+    names = sorted(next(iter(group.start.values())))
+    capture = _CaptureGroup(grid, context.run_id, group, names, config)
+    state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()})
+    legacy = LegacyContext(
+        Context(context.run_id, context.node_id, dict(context.node_config), state, dict(context.run_config)), strategy=capture
+    )
+    workflow = SecAggPlusWorkflow(
+        num_shares=_as_share_param(cfg.num_shares),
+        reconstruction_threshold=_as_share_param(cfg.reconstruction_threshold),
+        max_weight=max_weight,
+        clipping_range=cfg.clipping_range,
+        quantization_range=cfg.quantization_range,
+        timeout=cfg.timeout,
+    )
+    workflow(grid, legacy)
+    result = GroupResult(group.name, None, 0.0, sorted(capture.metrics), metrics=capture.metrics)
+    result.rejected = {nid: "dropped out of SecAgg+" for nid in group.members if nid not in capture.metrics}
+    if capture.mean is not None:
+        mean = dict(zip(names, capture.mean))
+        try:
+            check_arrays(mean, group.start[group.members[0]])
+            result.mean = {k: v.astype(np.float32) for k, v in mean.items()}
+            result.total_weight = float(sum(m["num_examples"] for m in capture.metrics.values()))
+        except ReplyError as err:
+            log.warning("round %d group %s: secure aggregate rejected: %s", server_round, group.name, err)
+    for nid, reason in result.rejected.items():
+        log.warning("round %d group %s: node %d left out: %s", server_round, group.name, nid, reason)
+    return result
+
+
+def _as_share_param(value: float) -> int | float:
+    """SecAgg+ reads an int as a count and a float as a fraction of the group."""
+    return int(value) if value > 1 else float(value)
+
+
+class _CaptureGroup:
+    """A minimal legacy strategy: selects the group's members and captures SecAgg+'s unmasked mean."""
+
+    def __init__(self, grid, run_id: int, group: Group, names: list[str], config: dict[str, Any]) -> None:
+        from flwr.common import FitIns, ndarrays_to_parameters
+        from flwr.server.compat.grid_client_proxy import GridClientProxy
+
+        self.instructions = [
+            (GridClientProxy(nid, grid, run_id), FitIns(ndarrays_to_parameters([group.start[nid][k] for k in names]), dict(config)))
+            for nid in group.members
+        ]
+        self.mean: list[np.ndarray] | None = None
+        self.metrics: dict[int, dict[str, Any]] = {}
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return self.instructions
+
+    def aggregate_fit(self, server_round, results, failures):
+        from flwr.common import parameters_to_ndarrays
+
+        for proxy, fitres in results:
+            self.metrics[proxy.node_id] = {**fitres.metrics, "num_examples": fitres.num_examples}
+        if results:
+            self.mean = parameters_to_ndarrays(results[0][1].parameters)
+        return None, {}
+
+
+def evaluate_nodes(grid, server_round: int, arrays_by_node: dict[int, Arrays], config: dict[str, Any], timeout: float) -> dict[int, dict | str]:
+    """Federated evaluation: each node evaluates its adapter on its held-out split; metrics or a reason per node."""
+    messages = [
+        Message(eval_instruction(arrays, config), dst_node_id=nid, message_type=MessageType.EVALUATE, group_id=f"eval-{server_round}")
+        for nid, arrays in arrays_by_node.items()
+    ]
+    out: dict[int, dict | str] = {}
+    for nid, reply in _send(grid, messages, timeout).items():
+        try:
+            if isinstance(reply, str):
+                raise ReplyError(reply)
+            out[nid] = read_metrics(reply.content)
+        except (ReplyError, KeyError, TypeError) as err:
+            out[nid] = str(err)
+            log.warning("round %d: evaluation by node %d failed: %s", server_round, nid, err)
+    return out
+
+
+def query_initial_adapter(grid, node_ids: list[int], timeout: float) -> Arrays:
+    """Ask clients (in turn, until one answers) for the common initial adapter."""
+    from common.records import ARRAYS, from_array_record
+
+    for nid in node_ids:
+        msg = Message(RecordDict({"config": ConfigRecord({"query": "initial-adapter"})}), dst_node_id=nid, message_type=MessageType.QUERY)
+        reply = _send(grid, [msg], timeout)[nid]
+        if isinstance(reply, Message) and ARRAYS in reply.content:
+            arrays = from_array_record(reply.content.array_records[ARRAYS])
+            if all(np.all(np.isfinite(a)) for a in arrays.values()):
+                return arrays
+        log.warning("node %d gave no initial adapter: %s", nid, reply if isinstance(reply, str) else "bad reply")
+    raise RuntimeError("no client returned an initial adapter")
+
+
+def wait_for_nodes(grid, minimum: int, timeout: float) -> list[int]:
+    start = time.monotonic()
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= minimum:
+            return nodes
+        if time.monotonic() - start > timeout:
+            raise RuntimeError(f"only {len(nodes)} node(s) connected after {timeout:.0f}s; min-train-replies is {minimum}")
+        time.sleep(1.0)

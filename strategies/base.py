@@ -1,0 +1,87 @@
+"""The small abstract base every Tessera strategy implements.
+
+A round is: ``train_groups`` says which clients form each group and which adapter each member starts from; the
+ServerApp's transport (plain or SecAgg+, ``server_app.transport``) returns each group's weighted mean; ``update``
+combines those means into the strategy's new state. ``eval_arrays`` says which adapter a client is evaluated
+with. Strategies never see Flower messages, and their math lives in pure functions beside them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+
+@dataclass
+class Group:
+    """Clients whose updates are summed together (through SecAgg+ when secure).
+
+    Attributes:
+        name: a label for logs and metrics.
+        start: per member node id, the adapter it trains from this round.
+    """
+
+    name: str
+    start: dict[int, Arrays]
+
+    @property
+    def members(self) -> list[int]:
+        return sorted(self.start)
+
+
+@dataclass
+class GroupResult:
+    """What the server learns about one group: its weighted mean, total weight and per-member metrics.
+
+    Attributes:
+        mean: sum_i w_i x_i / sum_i w_i over the members whose replies were accepted (None if none were).
+        contributors: node ids whose updates are inside ``mean``.
+        rejected: node id -> reason, for replies that were left out.
+        metrics: node id -> training metrics the client reported (loss, tokens, seconds).
+    """
+
+    name: str
+    mean: Arrays | None
+    total_weight: float
+    contributors: list[int]
+    rejected: dict[int, str] = field(default_factory=dict)
+    metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class Strategy(ABC):
+    """Abstract base: state, grouping and the combination of group means."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def initialise(self, initial: Arrays) -> None:
+        """Set the state before round 1 from the clients' common initial adapter."""
+
+    @abstractmethod
+    def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
+        """The groups of this round and each member's starting adapter."""
+
+    @abstractmethod
+    def update(self, server_round: int, results: list[GroupResult]) -> None:
+        """Fold this round's group means into the state."""
+
+    @abstractmethod
+    def eval_arrays(self, node_id: int) -> Arrays:
+        """The adapter ``node_id`` is evaluated with (and keeps, at the end)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Arrays]:
+        """Everything needed to resume, as named groups of arrays."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Arrays]) -> None:
+        """Restore from ``state_dict``."""
+
+    def final_adapters(self) -> dict[str, Arrays]:
+        """Adapters to save at the end, by directory name (default: the whole state)."""
+        return self.state_dict()
