@@ -8,7 +8,6 @@ train messages pass the mod by.
 
 from __future__ import annotations
 
-import logging
 import math
 
 from flwr.app import Context, Message
@@ -16,6 +15,7 @@ from flwr.clientapp import ClientApp
 from flwr.client.mod import secaggplus_mod
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
+from common.logs import get_logger
 from common.adapters import get_adapter_arrays, set_adapter_arrays
 from common.evaluation import evaluate
 from common.records import (
@@ -31,7 +31,7 @@ from common.training import round_learning_rate, train_round
 
 from .runtime import get_runtime
 
-log = logging.getLogger("tessera.client")
+log = get_logger("tessera.client")
 
 
 def secure_aggregation_mod(msg: Message, context: Context, call_next):

@@ -7,7 +7,6 @@ this process really loaded a base model; clients report it so tests (and users) 
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,11 +14,12 @@ from typing import Any
 from flwr.app import Context
 
 from common.adapters import attach_lora, get_adapter_arrays
+from common.logs import get_logger
 from common.config import RunConfig
 from common.data import Example, client_data
 from common.model import load_base_model, load_tokenizer
 
-log = logging.getLogger("tessera.client")
+log = get_logger("tessera.client")
 
 _MODELS: dict[tuple, tuple[Any, Any, dict]] = {}
 _DATA: dict[tuple, tuple[list[Example], list[Example]]] = {}
@@ -70,14 +70,15 @@ def get_runtime(context: Context) -> ClientRuntime:
 
 
 def _configure_threads() -> None:
-    """Use the CPUs Flower/Ray gave this process (Ray sets OMP_NUM_THREADS), at least one."""
+    """Use the CPUs Flower/Ray gave this process (Ray sets OMP_NUM_THREADS), and keep the log readable."""
     import torch
 
     wanted = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or (os.cpu_count() or 1)
     torch.set_num_threads(max(1, wanted))
-    try:
-        import datasets
+    # Progress bars from many actors interleave into noise in Flower's log; our own log lines say where we are.
+    import datasets
+    import transformers
 
-        datasets.disable_progress_bars()
-    except ImportError:  # pragma: no cover
-        pass
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()

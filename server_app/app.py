@@ -8,7 +8,6 @@ training. With ``resume=true`` a restarted run continues after its last complete
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from common.adapters.lora import save_peft_adapter
+from common.logs import get_logger
 from common.config import RunConfig
 from common.records import num_bytes
 from strategies import Strategy, build_strategy
@@ -24,7 +24,7 @@ from strategies.base import GroupResult
 from .rundir import RunDirectory
 from .transport import evaluate_nodes, query_initial_adapter, train_group_plain, train_group_secure, wait_for_nodes
 
-log = logging.getLogger("tessera.server")
+log = get_logger("tessera.server")
 app = ServerApp()
 
 
@@ -35,7 +35,6 @@ def main(grid: Grid, context: Context) -> None:
 
 def run_federation(grid: Grid, context: Context) -> RunDirectory:
     cfg = RunConfig.from_flat(dict(context.run_config))  # fails before round 1, naming the key
-    _setup_logging()
     run = RunDirectory(cfg.run_dir)
     strategy = build_strategy(cfg.strategy)
     node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.round_timeout)
@@ -165,11 +164,3 @@ def _save_adapters(cfg: RunConfig, strategy: Strategy, run: RunDirectory) -> lis
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
-
-def _setup_logging() -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s tessera %(levelname)s %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False

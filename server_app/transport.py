@@ -9,13 +9,13 @@ update, and SecAgg+ treats them as dropped.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
+from common.logs import get_logger
 from common.config import SecAggSection
 from common.records import (
     ReplyError,
@@ -29,7 +29,7 @@ from common.records import (
 from strategies.aggregation import weighted_mean
 from strategies.base import Arrays, Group, GroupResult
 
-log = logging.getLogger("tessera.server")
+log = get_logger("tessera.server")
 
 
 def _send(grid, messages: list[Message], timeout: float) -> dict[int, Message | str]:

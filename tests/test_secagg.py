@@ -1,0 +1,69 @@
+"""Flower's real SecAgg+ (in-process simulation) carries a group mean equal to the plain one within the
+quantisation bound. The clients here return synthetic adapters (no LLM) so the test takes seconds."""
+
+import json
+
+import numpy as np
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation
+
+from client_app.app import secure_aggregation_mod
+from common.config import SecAggSection
+from common.records import read_train_instruction, train_reply
+from server_app.transport import train_group_secure, wait_for_nodes
+from strategies.aggregation import secagg_error_bound, secagg_weights, weighted_mean
+from strategies.base import Group
+
+NAMES = ["x.lora_A.weight", "x.lora_B.weight"]
+START = {"x.lora_A.weight": np.full((3, 4), 0.1, np.float32), "x.lora_B.weight": np.zeros((4, 3), np.float32)}
+MAX_WEIGHT = 40.0
+
+
+def client_update(partition_id: int) -> tuple[dict, int]:
+    rng = np.random.default_rng(partition_id)
+    return {k: v + rng.normal(scale=0.5, size=v.shape).astype(np.float32) for k, v in START.items()}, 10 * (partition_id + 1)
+
+
+def run_secure_round(tmp_path, num_nodes: int):
+    out_file = tmp_path / "result.json"
+    client = ClientApp(mods=[secure_aggregation_mod])
+
+    @client.train()
+    def train(msg: Message, context: Context) -> Message:
+        arrays, config = read_train_instruction(msg.content, NAMES)
+        assert all(np.allclose(arrays[k], START[k]) for k in NAMES) and config["server-round"] == 1
+        update, n = client_update(int(context.node_config["partition-id"]))
+        return Message(train_reply(update, n, {"partition-id": int(context.node_config["partition-id"])}), reply_to=msg)
+
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        nodes = wait_for_nodes(grid, num_nodes, timeout=120)
+        result = train_group_secure(grid, context, 1, Group("all", {n: START for n in nodes}), {"server-round": 1}, SecAggSection(), MAX_WEIGHT)
+        out_file.write_text(json.dumps({
+            "mean": {k: v.tolist() for k, v in result.mean.items()},
+            "partitions": sorted(m["partition-id"] for m in result.metrics.values()),
+            "examples": {str(m["partition-id"]): m["num_examples"] for m in result.metrics.values()},
+            "rejected": result.rejected,
+        }))
+
+    run_simulation(server_app=server, client_app=client, num_supernodes=num_nodes, backend_config={"client_resources": {"num_cpus": 1}})
+    return json.loads(out_file.read_text())
+
+
+def test_secure_mean_equals_plain_weighted_mean(tmp_path):
+    out = run_secure_round(tmp_path, num_nodes=4)
+    assert out["partitions"] == [0, 1, 2, 3] and out["rejected"] == {}
+    updates, examples = zip(*(client_update(p) for p in range(4)))
+    weights = secagg_weights(examples, MAX_WEIGHT)  # 10, 20, 30, 40 examples -> 0.25 .. 1.0
+    plain = weighted_mean(list(updates), weights)
+    bound = secagg_error_bound(weights, SecAggSection().clipping_range, SecAggSection().quantization_range)
+    for key in NAMES:
+        secure = np.asarray(out["mean"][key], dtype=np.float32)
+        err = np.abs(secure - plain[key]).max()
+        assert err <= bound, (key, err, bound)
+        # and it is not simply the unweighted mean: weights matter
+        assert np.abs(plain[key] - np.mean([u[key] for u in updates], axis=0)).max() > 10 * bound

@@ -1,0 +1,81 @@
+"""The plain transport keeps the round going when some replies are bad (a tiny in-memory Grid stands in for
+the SuperLink here; the real one runs in the e2e tests)."""
+
+import logging
+
+import numpy as np
+import pytest
+from flwr.app import Error, Message, RecordDict
+
+from common.records import read_train_instruction, train_reply
+from server_app.transport import train_group_plain
+from strategies.aggregation import weighted_mean
+from strategies.base import Group
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Flower's Message needs the run/node identity that a real ServerApp process has."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+
+
+START = {"w.lora_A.weight": np.zeros((2, 3), np.float32), "w.lora_B.weight": np.zeros((3, 2), np.float32)}
+
+
+class InMemoryGrid:
+    """Answers each message with ``behaviour[node](arrays)``: a reply RecordDict, an Error, or None (no reply)."""
+
+    def __init__(self, behaviour):
+        self.behaviour = behaviour
+        self.sent = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            self.sent.append(msg)
+            nid = msg.metadata.dst_node_id
+            arrays, _ = read_train_instruction(msg.content, sorted(START))
+            out = self.behaviour[nid](arrays)
+            if out is None:
+                continue
+            reply = Message(out, reply_to=msg)
+            replies.append(reply)
+        return replies
+
+
+def good(value, n):
+    return lambda arrays: train_reply({k: v + value for k, v in arrays.items()}, n, {"train_loss": 1.0})
+
+
+def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
+    behaviour = {
+        1: good(1.0, 10),
+        2: good(3.0, 30),
+        3: lambda a: train_reply({**a, "w.lora_A.weight": np.full((2, 3), np.nan, np.float32)}, 5, {}),  # NaN
+        4: lambda a: train_reply({**a, "w.lora_B.weight": np.zeros((4, 4), np.float32)}, 5, {}),  # wrong shape
+        5: lambda a: train_reply({"w.lora_A.weight": a["w.lora_A.weight"]}, 5, {}),  # missing key
+        6: lambda a: Error(code=0, reason="client crashed"),
+        7: lambda a: None,  # never answers
+    }
+    grid = InMemoryGrid(behaviour)
+    group = Group("all", {nid: START for nid in behaviour})
+    with caplog.at_level(logging.WARNING, logger="tessera.server"):
+        result = train_group_plain(grid, 1, group, {"server-round": 1}, timeout=1.0)
+    assert result.contributors == [1, 2]
+    assert set(result.rejected) == {3, 4, 5, 6, 7}
+    assert "NaN" in result.rejected[3] and "shape" in result.rejected[4] and "missing" in result.rejected[5]
+    assert "crashed" in result.rejected[6] and "no reply" in result.rejected[7]
+    expected = weighted_mean([{k: v + 1.0 for k, v in START.items()}, {k: v + 3.0 for k, v in START.items()}], [10, 30])
+    for key in START:
+        np.testing.assert_allclose(result.mean[key], expected[key])
+        np.testing.assert_allclose(result.mean[key], 2.5)  # (10 * 1 + 30 * 3) / 40
+    assert result.total_weight == 40
+    assert sum("rejected" in rec.message for rec in caplog.records) == 5
+
+
+def test_all_bad_gives_no_mean():
+    grid = InMemoryGrid({1: lambda a: None, 2: lambda a: Error(code=0, reason="x")})
+    result = train_group_plain(grid, 2, Group("all", {1: START, 2: START}), {}, timeout=1.0)
+    assert result.mean is None and result.contributors == []
