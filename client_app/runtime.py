@@ -8,6 +8,7 @@ this process really loaded a base model; clients report it so tests (and users) 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ log = get_logger("tessera.client")
 _MODELS: dict[tuple, tuple[Any, Any, dict]] = {}
 _DATA: dict[tuple, tuple[list[Example], list[Example]]] = {}
 model_loads = 0
+model_load_seconds = 0.0
 
 
 @dataclass
@@ -43,12 +45,22 @@ class ClientRuntime:
 
     def identity(self) -> dict[str, Any]:
         """Who answered: reported beside every metric."""
+        import resource
+
         tasks = ",".join(sorted({e.task for e in self.train}))
-        return {"partition-id": self.partition_id, "tasks": tasks, "model": self.model_name, "pid": os.getpid(), "model-loads": model_loads}
+        return {
+            "partition-id": self.partition_id,
+            "tasks": tasks,
+            "model": self.model_name,
+            "pid": os.getpid(),
+            "model-loads": model_loads,
+            "model-load-seconds": model_load_seconds,
+            "peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
 
 
 def get_runtime(context: Context) -> ClientRuntime:
-    global model_loads
+    global model_loads, model_load_seconds
     cfg = RunConfig.from_flat(dict(context.run_config))
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
@@ -57,10 +69,12 @@ def get_runtime(context: Context) -> ClientRuntime:
     if key not in _MODELS:
         _configure_threads()
         log.info("process %d: loading base model %s (%s)", os.getpid(), model_name, cfg.model.quantization)
+        started = time.perf_counter()
         base = load_base_model(model_name, cfg.model.quantization, cfg.model.device)
         model = attach_lora(base, cfg.lora, seed=cfg.seed)
         _MODELS[key] = (model, load_tokenizer(model_name), get_adapter_arrays(model))
         model_loads += 1
+        model_load_seconds += time.perf_counter() - started
     model, tokenizer, initial = _MODELS[key]
     data_key = (cfg.data.model_dump_json(), partition_id, num_partitions, cfg.seed)
     if data_key not in _DATA:

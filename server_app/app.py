@@ -132,7 +132,7 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
         row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
         if isinstance(metrics, dict):
             row.update({k: metrics.get(k) for k in ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")})
-            row.update({k.replace("-", "_"): metrics.get(k) for k in ("partition-id", "tasks", "model", "pid", "model-loads")})
+            row.update({k.replace("-", "_"): metrics.get(k) for k in ("partition-id", "tasks", "model", "pid", "model-loads", "model-load-seconds", "peak-rss-mb")})
             n = int(metrics.get("eval_examples", 0))
             for key in ("eval_loss", "exact_match", "rouge_l"):
                 totals[key] += float(metrics[key]) * n

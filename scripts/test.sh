@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Install, then run the whole test suite (unit tests, then the end-to-end runs on the real 4-bit model).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+python3 -m pytest -q -p no:cacheprovider "$@" tests
