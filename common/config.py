@@ -105,6 +105,7 @@ class RunConfig(_Section):
     seed: int = 0
     min_train_replies: int = Field(2, ge=1)
     round_timeout: float = Field(3600.0, gt=0)
+    node_wait_timeout: float = Field(300.0, gt=0)  # how long to wait for min-train-replies nodes to connect
     model: ModelSection = Field(default_factory=ModelSection)
     lora: LoraSection = Field(default_factory=LoraSection)
     data: DataSection = Field(default_factory=DataSection)

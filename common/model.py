@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .assets import SMOLLM2_ALIAS, smollm2_checkpoint
+from .assets import SMOLLM2_ALIAS, gguf_checkpoint, smollm2_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -24,25 +24,27 @@ def pick_device(device: str = "auto") -> str:
     return device
 
 
-def resolve_model(name: str) -> tuple[str, str | None]:
-    """Map a model setting to ``(from_pretrained path or id, gguf file name or None)``."""
+def resolve_model(name: str) -> str:
+    """Map a model setting to what ``from_pretrained`` takes: a checkpoint directory or an HF model id.
+
+    A GGUF file is dequantised once into a cached checkpoint (so it can then be re-quantised to NF4).
+    """
     if name in BUILTIN_MODELS:
-        return str(BUILTIN_MODELS[name]()), None
+        return str(BUILTIN_MODELS[name]())
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.exists():
-            raise FileNotFoundError(f"model: GGUF file {path} does not exist")
-        return str(path.parent), path.name
+            raise FileNotFoundError(f"model.name: GGUF file {path} does not exist")
+        return str(gguf_checkpoint(path))
     if path.exists():
-        return str(path), None
-    return name, None  # a Hugging Face model id; needs a reachable hub
+        return str(path)
+    return name  # a Hugging Face model id; needs a reachable hub
 
 
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    source, gguf_file = resolve_model(name)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -58,15 +60,13 @@ def load_base_model(name: str, quantization: str = "nf4", device: str = "auto"):
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    source, gguf_file = resolve_model(name)
+    source = resolve_model(name)
     device = pick_device(device)
     kwargs: dict = {"device_map": device}
     # bf16 matmuls are fast on GPUs but 5-6x SLOWER than fp32 on CPUs without AVX512-BF16 (measured: 47 s vs
     # 8 s for one 8x200-token forward of SmolLM2-135M on 2 cores), so compute in fp32 on the CPU.
     compute_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if quantization == "nf4":
-        if gguf_file is not None:
-            raise ValueError("model: 4-bit loading needs a safetensors checkpoint, not a GGUF file; convert it first")
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
@@ -76,7 +76,7 @@ def load_base_model(name: str, quantization: str = "nf4", device: str = "auto"):
         kwargs["dtype"] = compute_dtype
     else:
         kwargs["dtype"] = {"bf16": torch.bfloat16, "fp32": torch.float32}[quantization]
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     for param in model.parameters():
         param.requires_grad_(False)
     if quantization == "nf4":

@@ -6,7 +6,6 @@ rate follows a cosine decay ACROSS rounds (constant inside one round), so late r
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 import time
@@ -16,8 +15,9 @@ import torch
 
 from .config import TrainSection
 from .data import Example
+from .logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger("tessera.client")
 IGNORE = -100
 
 
@@ -94,7 +94,8 @@ def train_round(model, tokenizer, examples: list[Example], cfg: TrainSection, lr
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
         losses.append(step_loss)
-        log.debug("step %d/%d loss %.4f", step + 1, cfg.local_steps, step_loss)
+        if (step + 1) % max(1, cfg.local_steps // 4) == 0 or step + 1 == cfg.local_steps:  # ~4 lines per round
+            log.info("  step %d/%d loss %.4f", step + 1, cfg.local_steps, step_loss)
     model.eval()
     seconds = time.perf_counter() - start
     return {

@@ -16,7 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from common.adapters.lora import save_peft_adapter
 from common.logs import get_logger
-from common.config import RunConfig
+from common.config import ConfigError, RunConfig
 from common.records import num_bytes
 from strategies import Strategy, build_strategy
 from strategies.base import GroupResult
@@ -34,10 +34,14 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def run_federation(grid: Grid, context: Context) -> RunDirectory:
-    cfg = RunConfig.from_flat(dict(context.run_config))  # fails before round 1, naming the key
+    try:
+        cfg = RunConfig.from_flat(dict(context.run_config))  # fails before round 1, naming the key
+    except ConfigError as err:
+        log.error("%s", err)
+        raise
     run = RunDirectory(cfg.run_dir)
     strategy = build_strategy(cfg.strategy)
-    node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.round_timeout)
+    node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.node_wait_timeout)
     log.info("strategy=%s secure=%s rounds=%d nodes=%s run-dir=%s", cfg.strategy, cfg.secure, cfg.num_server_rounds, node_ids, run.path)
 
     first_round = 1

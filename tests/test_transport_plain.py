@@ -61,8 +61,12 @@ def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
     }
     grid = InMemoryGrid(behaviour)
     group = Group("all", {nid: START for nid in behaviour})
-    with caplog.at_level(logging.WARNING, logger="tessera.server"):
+    server_log = logging.getLogger("tessera.server")  # it does not propagate to the root logger caplog watches
+    server_log.addHandler(caplog.handler)
+    try:
         result = train_group_plain(grid, 1, group, {"server-round": 1}, timeout=1.0)
+    finally:
+        server_log.removeHandler(caplog.handler)
     assert result.contributors == [1, 2]
     assert set(result.rejected) == {3, 4, 5, 6, 7}
     assert "NaN" in result.rejected[3] and "shape" in result.rejected[4] and "missing" in result.rejected[5]
