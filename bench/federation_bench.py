@@ -4,7 +4,7 @@
 
 Writes ``bench/results/federation.json`` and prints a table. Per round: wall time, split into model load (once
 per client process), local training, evaluation, server aggregation and the rest (messaging, SecAgg+ protocol,
-Ray); train tokens per second; peak client memory; adapter bytes per client per direction.
+Ray); model load is reported apart, as it happens before round 0's clock starts; train tokens per second; peak client memory; adapter bytes per client per direction.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def summarise(rows: list[dict]) -> list[dict]:
             "train_seconds": train,
             "eval_seconds": evaluate,
             "aggregate_seconds": aggregate,
-            "other_seconds": agg["seconds"] - load - train - evaluate - aggregate,
+            # the model loads on a process's first message (the initial-adapter query, before round 0's clock)
+            "other_seconds": agg["seconds"] - train - evaluate - aggregate,
             "train_tokens_per_second": tokens / train if train else None,
             "peak_client_rss_mb": max((r.get("peak_rss_mb") or 0.0) for r in clients),
             "bytes_up_per_client": sum(r["bytes_up"] for r in clients) / len(clients),

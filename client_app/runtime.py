@@ -30,6 +30,8 @@ model_load_seconds = 0.0
 
 @dataclass
 class ClientRuntime:
+    """Everything one virtual client needs for a message: its config, the shared model, its data split."""
+
     cfg: RunConfig
     model: Any  # a PeftModel over the frozen (4-bit) base
     tokenizer: Any

@@ -21,6 +21,9 @@ from strategies.base import Arrays
 
 
 class RunDirectory:
+    """One run's directory (see the module docstring for its layout). Relative paths resolve against
+    ``$TESSERA_RUN_ROOT`` (set by the scripts), else the current directory."""
+
     def __init__(self, path: str | Path) -> None:
         path = Path(path).expanduser()
         if not path.is_absolute():  # the ServerApp's working directory is Flower's choice, not the user's
