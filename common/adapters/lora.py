@@ -72,7 +72,3 @@ def save_peft_adapter(arrays: dict[str, np.ndarray], cfg: LoraSection, base_mode
     save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}, str(out / "adapter_model.safetensors"))
     return out
 
-
-def adapter_num_bytes(arrays: dict[str, np.ndarray]) -> int:
-    return int(sum(a.nbytes for a in arrays.values()))
-
