@@ -89,6 +89,9 @@ class RunDirectory:
             mine = sorted((r["round"], r["eval_loss"]) for r in rows if r["node"] == node)
             label = "aggregate" if node is None else f"client {_client_label(rows, node)}"
             ax.plot([m[0] for m in mine], [m[1] for m in mine], marker="o", label=label, linewidth=2.5 if node is None else 1.2)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
         ax.set_xlabel("round")
         ax.set_ylabel("held-out loss (answer tokens)")
         ax.set_title("Per-client evaluation loss")
