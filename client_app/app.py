@@ -16,9 +16,9 @@ from flwr.clientapp import ClientApp
 from flwr.client.mod import secaggplus_mod
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from common.logs import get_logger
 from common.adapters import get_adapter_arrays, set_adapter_arrays
 from common.evaluation import evaluate
+from common.logs import get_logger
 from common.records import (
     ARRAYS,
     CONFIG,

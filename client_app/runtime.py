@@ -15,9 +15,9 @@ from typing import Any
 from flwr.app import Context
 
 from common.adapters import attach_lora, get_adapter_arrays
-from common.logs import get_logger
 from common.config import RunConfig
 from common.data import Example, client_data
+from common.logs import get_logger
 from common.model import load_base_model, load_tokenizer
 
 log = get_logger("tessera.client")
@@ -69,7 +69,7 @@ def get_runtime(context: Context) -> ClientRuntime:
     model_name = str(context.node_config.get("model", cfg.model.name))  # a per-node model overrides the run's
     key = (model_name, cfg.model.quantization, cfg.model.device, cfg.lora.model_dump_json(), cfg.seed)
     if key not in _MODELS:
-        _configure_threads()
+        _configure_process()
         log.info("process %d: loading base model %s (%s)", os.getpid(), model_name, cfg.model.quantization)
         started = time.perf_counter()
         base = load_base_model(model_name, cfg.model.quantization, cfg.model.device)
@@ -85,7 +85,7 @@ def get_runtime(context: Context) -> ClientRuntime:
     return ClientRuntime(cfg, model, tokenizer, initial, partition_id, model_name, train, test)
 
 
-def _configure_threads() -> None:
+def _configure_process() -> None:
     """Use the CPUs Flower/Ray gave this process (Ray sets OMP_NUM_THREADS), and keep the log readable."""
     import torch
 

@@ -15,8 +15,8 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from common.adapters.lora import save_peft_adapter
-from common.logs import get_logger
 from common.config import ConfigError, RunConfig
+from common.logs import get_logger
 from common.records import num_bytes
 from strategies import Strategy, build_strategy
 from strategies.base import GroupResult

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
-from common.logs import get_logger
 from common.config import SecAggSection
+from common.logs import get_logger
 from common.records import (
     ReplyError,
     check_arrays,
