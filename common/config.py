@@ -8,12 +8,25 @@ silently fall back to a default.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 STRATEGIES = ("fedavg", "simgrad", "mira", "atlas", "vemoe")
-IMPLEMENTED_STRATEGIES = ("fedavg",)
+IMPLEMENTED_STRATEGIES = ("fedavg", "simgrad")
+# Which adapter each strategy trains: FedAvg averages peft LoRA; SimGrad mixes PQ-LoRA (width-independent P/Q).
+STRATEGY_ADAPTER = {"fedavg": "lora", "simgrad": "pqlora"}
+
+
+def resolve_run_dir(run_dir: str | Path) -> Path:
+    """``run-dir`` as an absolute path: relative paths resolve against ``$TESSERA_RUN_ROOT`` (set by the scripts),
+    else the current directory (the ServerApp's and ClientApp's working directories are Flower's choice)."""
+    path = Path(run_dir).expanduser()
+    if not path.is_absolute():
+        path = Path(os.environ.get("TESSERA_RUN_ROOT", os.getcwd())) / path
+    return path.resolve()
 
 
 class ConfigError(ValueError):
@@ -34,8 +47,13 @@ class ModelSection(_Section):
     """Which base LLM every client loads, and how."""
 
     name: str = Field("smollm2-135m-instruct", min_length=1)  # alias, local dir, *.gguf or HF id
+    # Heterogeneous federations: partition i loads partition_models[i % n] (empty: everyone loads ``name``).
+    # A SuperNode's node-config ``model`` overrides both: a client's model is a per-node setting.
+    partition_models: list[str] = Field(default_factory=list)
     quantization: Literal["nf4", "bf16", "fp32"] = "nf4"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    _csv = field_validator("partition_models", mode="before")(_split_csv)
 
 
 class LoraSection(_Section):
@@ -47,6 +65,35 @@ class LoraSection(_Section):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
 
     _csv = field_validator("target_modules", mode="before")(_split_csv)
+
+
+class PQLoraSection(_Section):
+    """The PQ-LoRA adapter SimGrad trains (FedMosaic): frozen orthogonal A/B, trainable r x r P and r-vector Q."""
+
+    r: int = Field(8, ge=1, le=128)
+    blocks: int = Field(4, ge=1)  # adapt the last ``blocks`` transformer blocks
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+    scaling: float = Field(4.0, gt=0)
+    gate_init: float = 0.0  # beta = sigmoid(gate); 0.0 -> beta 0.5
+
+    _csv = field_validator("target_modules", mode="before")(_split_csv)
+
+
+class SimGradSection(_Section):
+    """SimGrad relevance aggregation: signatures, relevance softmax, grouping, routing and alignment."""
+
+    temperature: float = Field(0.1, gt=0)  # row softmax of the cosine relevance matrix
+    mixing: Literal["relevance", "uniform", "local-only"] = "relevance"  # uniform / local-only: ablations
+    probe_model: str = Field("smollm2-135m-instruct", min_length=1)  # the small frozen model every client probes
+    probe_examples: int = Field(8, ge=1)
+    sketch_buckets: int = Field(8, ge=1, le=4096)  # rows of the count-sketched lm_head gradient
+    ema_decay: float = Field(0.4, ge=0, lt=1)
+    noise_scale: float = Field(0.05, ge=0)  # Gaussian noise std, relative to the signature's RMS
+    keep_fraction: float = Field(0.6, gt=0, le=1)  # random subsample of signature coordinates kept
+    route_budget: int = Field(2, ge=0)  # blocks trained and sent per round (0: all)
+    alignment: bool = True  # Procrustes-align the outgoing P/Q onto the received global ones
+    anchors: int = Field(64, ge=2)
+    min_group_size: int = Field(3, ge=3)  # secure mode: SecAgg+ groups by relevance, never smaller than this
 
 
 class DataSection(_Section):
@@ -108,6 +155,8 @@ class RunConfig(_Section):
     node_wait_timeout: float = Field(300.0, gt=0)  # how long to wait for min-train-replies nodes to connect
     model: ModelSection = Field(default_factory=ModelSection)
     lora: LoraSection = Field(default_factory=LoraSection)
+    pqlora: PQLoraSection = Field(default_factory=PQLoraSection)
+    simgrad: SimGradSection = Field(default_factory=SimGradSection)
     data: DataSection = Field(default_factory=DataSection)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
@@ -120,7 +169,22 @@ class RunConfig(_Section):
         if self.secure and self.min_train_replies < 3:
             # SecAgg+ over 2 clients leaks each update to the other one.
             raise ValueError("min-train-replies: must be >= 3 when secure=true (a SecAgg+ group of 2 leaks updates)")
+        if self.strategy == "simgrad" and self.simgrad.route_budget > self.pqlora.blocks:
+            raise ValueError(f"simgrad.route-budget: {self.simgrad.route_budget} exceeds pqlora.blocks={self.pqlora.blocks}")
         return self
+
+    @property
+    def adapter(self) -> str:
+        """The adapter kind this run's strategy trains ("lora" or "pqlora")."""
+        return STRATEGY_ADAPTER[self.strategy]
+
+    def run_path(self) -> Path:
+        return resolve_run_dir(self.run_dir)
+
+    def model_for_partition(self, partition_id: int) -> str:
+        """The base model of a partition when its node sets none: ``model.partition-models`` cycled, else ``model.name``."""
+        models = self.model.partition_models
+        return models[partition_id % len(models)] if models else self.model.name
 
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> "RunConfig":

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from .assets import SMOLLM2_ALIAS, gguf_checkpoint, smollm2_checkpoint
+from .assets import QWEN_CODER_ALIAS, SMOLLM2_ALIAS, gguf_checkpoint, qwen_coder_checkpoint, smollm2_checkpoint
 
 log = logging.getLogger(__name__)
 
-BUILTIN_MODELS = {SMOLLM2_ALIAS: smollm2_checkpoint}
+BUILTIN_MODELS = {SMOLLM2_ALIAS: smollm2_checkpoint, QWEN_CODER_ALIAS: qwen_coder_checkpoint}
 
 
 def pick_device(device: str = "auto") -> str:

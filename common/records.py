@@ -9,6 +9,7 @@ Adapters travel as float32; every message's array bytes are counted.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 FITINS_ARRAYS, FITINS_CONFIG = "fitins.parameters", "fitins.config"
 FITRES_ARRAYS, FITRES_METRICS = "fitres.parameters", "fitres.metrics"
 FITRES_NUM_EXAMPLES, FITRES_STATUS = "fitres.num_examples", "fitres.status"
-ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+ARRAYS, CONFIG, METRICS, SIGNATURE = "arrays", "config", "metrics", "signature"
+QUERY_INITIAL, QUERY_REPORT = "initial-adapter", "report"
 
 
 class ReplyError(ValueError):
@@ -101,3 +103,58 @@ def read_metrics(content: RecordDict) -> dict[str, Any]:
     if METRICS not in content:
         raise ReplyError(f"reply lacks '{METRICS}'")
     return dict(content.config_records[METRICS])
+
+
+def query_instruction(kind: str, config: dict[str, Any] | None = None) -> RecordDict:
+    """A QUERY message: ``initial-adapter`` (the client's fresh adapter and identity) or ``report`` (signature)."""
+    return RecordDict({CONFIG: ConfigRecord({"query": kind, **(config or {})})})
+
+
+def initial_reply(arrays: dict[str, np.ndarray], identity: dict[str, Any]) -> RecordDict:
+    return RecordDict({ARRAYS: to_array_record(arrays), METRICS: ConfigRecord(identity)})
+
+
+def read_initial_reply(content: RecordDict) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The client's initial adapter (finite values only) and identity (partition id, model, ...)."""
+    if ARRAYS not in content:
+        raise ReplyError(f"reply lacks '{ARRAYS}'")
+    arrays = from_array_record(content.array_records[ARRAYS])
+    for key, value in arrays.items():
+        if not np.all(np.isfinite(value)):
+            raise ReplyError(f"{key}: contains NaN or Inf")
+    identity = dict(content.config_records[METRICS]) if METRICS in content else {}
+    return arrays, identity
+
+
+def report_reply(signature: np.ndarray, salience: list[float], metrics: dict[str, Any]) -> RecordDict:
+    return RecordDict(
+        {SIGNATURE: ArrayRecord({SIGNATURE: Array(np.ascontiguousarray(signature, dtype=np.float32))}), METRICS: ConfigRecord({**metrics, "salience": [float(x) for x in salience]})}
+    )
+
+
+def read_report_reply(content: RecordDict, num_blocks: int) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Decode and validate a signature report: a finite, non-zero 1-D signature and one finite salience per block."""
+    if SIGNATURE not in content or SIGNATURE not in content.array_records[SIGNATURE]:
+        raise ReplyError(f"reply lacks the '{SIGNATURE}' array")
+    signature = content.array_records[SIGNATURE][SIGNATURE].numpy()
+    if signature.ndim != 1 or signature.size == 0:
+        raise ReplyError(f"signature must be a non-empty vector, got shape {signature.shape}")
+    if not np.all(np.isfinite(signature)):
+        raise ReplyError("signature contains NaN or Inf")
+    if not np.any(signature):
+        raise ReplyError("signature is all zeros (cosine relevance undefined)")
+    metrics = dict(content.config_records[METRICS]) if METRICS in content else {}
+    salience = np.asarray(metrics.pop("salience", []), dtype=np.float64)
+    if salience.shape != (num_blocks,) or not np.all(np.isfinite(salience)) or np.any(salience < 0):
+        raise ReplyError(f"salience must be {num_blocks} finite non-negative numbers, got {salience.tolist()}")
+    return signature.astype(np.float32), salience, metrics
+
+
+def save_arrays(arrays: dict[str, np.ndarray], out_dir: str | Path) -> Path:
+    """Named float32 arrays as ``arrays.safetensors`` in ``out_dir`` (for state that is not a PEFT adapter)."""
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}, str(out / "arrays.safetensors"))
+    return out

@@ -57,6 +57,13 @@ def collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def batch_loss(model, tokenizer, examples: list[Example], max_len: int) -> torch.Tensor:
+    """Mean answer-token cross-entropy of one batch (with the graph, for gradients)."""
+    device = next(model.parameters()).device
+    batch = collate([encode(tokenizer, e, max_len) for e in examples], tokenizer.pad_token_id)
+    return model(**{k: v.to(device) for k, v in batch.items()}).loss
+
+
 def round_learning_rate(cfg: TrainSection, server_round: int, num_rounds: int) -> float:
     """Cosine decay from ``learning-rate`` (round 1) to ``learning-rate * min-lr-ratio`` (last round)."""
     progress = 0.0 if num_rounds <= 1 else (server_round - 1) / (num_rounds - 1)

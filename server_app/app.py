@@ -1,6 +1,6 @@
 """The ServerApp: validate the run config, drive rounds, evaluate, write metrics, checkpoint, resume, save.
 
-Each round: the strategy names its groups; every group's mean arrives through the plain or the SecAgg+ transport;
+Each round: strategies that ask get every client's signature report; the strategy names its groups; every group's mean arrives through the plain or the SecAgg+ transport;
 the strategy folds the means in; every node evaluates the adapter it will use; one metrics row per node plus an
 aggregate row go to ``metrics.jsonl``; the server state is checkpointed. Round 0 is the evaluation before any
 training. With ``resume=true`` a restarted run continues after its last completed round.
@@ -15,6 +15,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from common.adapters.lora import save_peft_adapter
+from common.records import save_arrays
 from common.config import ConfigError, RunConfig
 from common.logs import get_logger
 from common.records import num_bytes
@@ -22,7 +23,7 @@ from strategies import Strategy, build_strategy
 from strategies.base import GroupResult
 
 from .rundir import RunDirectory
-from .transport import evaluate_nodes, query_initial_adapter, train_group_plain, train_group_secure, wait_for_nodes
+from .transport import collect_reports, evaluate_nodes, query_clients, train_group_secure, train_groups_plain, wait_for_nodes
 
 log = get_logger("tessera.server")
 app = ServerApp()
@@ -40,11 +41,14 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         log.error("%s", err)
         raise
     run = RunDirectory(cfg.run_dir)
-    strategy = build_strategy(cfg.strategy)
+    strategy = build_strategy(cfg)
     node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.node_wait_timeout)
     log.info("strategy=%s secure=%s rounds=%d nodes=%s run-dir=%s", cfg.strategy, cfg.secure, cfg.num_server_rounds, node_ids, run.path)
 
     first_round = 1
+    clients = query_clients(grid, node_ids, cfg.round_timeout)
+    log.info("clients: %s", {nid: f"partition {c.partition_id}, {c.model}" for nid, c in sorted(clients.items())})
+    strategy.initialise(clients)
     checkpoint = run.load_checkpoint() if cfg.resume else None
     if checkpoint is not None:
         meta, state = checkpoint
@@ -57,13 +61,13 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     else:
         if run.metrics_path.exists():
             run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
-        strategy.initialise(query_initial_adapter(grid, node_ids, cfg.round_timeout))
         _evaluate_round(grid, cfg, strategy, run, 0, node_ids, {}, time.perf_counter())
         run.save_checkpoint(0, strategy.name, strategy.state_dict(), {"nodes": node_ids})
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
         started = time.perf_counter()
         node_ids = sorted(grid.get_node_ids()) or node_ids
+        report_rows = _collect_reports(grid, cfg, strategy, server_round, node_ids) if strategy.wants_reports else {}
         results = _train_round(grid, context, cfg, strategy, server_round, node_ids)
         accepted = sum(len(r.contributors) for r in results)
         if accepted < cfg.min_train_replies:
@@ -75,11 +79,19 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         aggregate_started = time.perf_counter()
         strategy.update(server_round, results)
         aggregate_seconds = time.perf_counter() - aggregate_started
-        _evaluate_round(grid, cfg, strategy, run, server_round, node_ids, _train_rows(results, aggregate_seconds), started)
+        rows = _train_rows(results, aggregate_seconds)
+        for nid, extra in report_rows.items():
+            rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra)
+        rows[None].update(strategy.report())
+        _evaluate_round(grid, cfg, strategy, run, server_round, node_ids, rows, started)
+        if "relevance" in rows[None]:
+            run.plot_relevance(server_round, rows[None])
         run.save_checkpoint(server_round, strategy.name, strategy.state_dict(), {"nodes": node_ids})
 
     adapters = _save_adapters(cfg, strategy, run)
     plot = run.plot_eval_loss()
+    if cfg.adapter == "pqlora":
+        run.plot_gates()
     log.info("done. metrics: %s | plot: %s | adapter: %s", run.metrics_path, plot, ", ".join(str(a) for a in adapters))
     print(f"[tessera] metrics: {run.metrics_path}\n[tessera] plot: {plot}\n[tessera] adapter: {', '.join(str(a) for a in adapters)}", flush=True)
     return run
@@ -89,21 +101,34 @@ def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:
     return {"server-round": server_round, "num-server-rounds": cfg.num_server_rounds}
 
 
+def _collect_reports(grid: Grid, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]) -> dict[int | None, dict[str, Any]]:
+    """Signatures for strategies that ask; malformed ones are left out of the relevance matrix with a reason."""
+    reports, rejected = collect_reports(grid, server_round, node_ids, cfg.pqlora.blocks, cfg.round_timeout)
+    strategy.observe_reports(server_round, reports)
+    rows: dict[int | None, dict[str, Any]] = {nid: {"signature_bytes": int(r.signature.nbytes)} for nid, r in reports.items()}
+    rows.update({nid: {"signature_rejected": why} for nid, why in rejected.items()})
+    return rows
+
+
 def _train_round(grid: Grid, context: Context, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]) -> list[GroupResult]:
-    results = []
-    for group in strategy.train_groups(server_round, node_ids):
+    groups = strategy.train_groups(server_round, node_ids)
+    config = _train_config(cfg, server_round)
+    for group in groups:
         log.info("round %d: training group %s (%d clients)%s", server_round, group.name, len(group.members), " via SecAgg+" if cfg.secure else "")
-        config = _train_config(cfg, server_round)
-        if cfg.secure:
-            examples_per_round = cfg.train.local_steps * cfg.train.batch_size * cfg.train.grad_accum_steps
-            result = train_group_secure(grid, context, server_round, group, config, cfg.secagg, max_weight=examples_per_round)
-        else:
-            result = train_group_plain(grid, server_round, group, config, cfg.round_timeout)
+    if cfg.secure:  # one SecAgg+ protocol run per group
+        examples_per_round = cfg.train.local_steps * cfg.train.batch_size * cfg.train.grad_accum_steps
+        results = [train_group_secure(grid, context, server_round, g, config, cfg.secagg, max_weight=examples_per_round) for g in groups]
+    else:
+        results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout)
+    for group, result in zip(groups, results):
         for nid in result.metrics:
-            result.metrics[nid].setdefault("bytes_up", num_bytes(group.start[nid]))
+            result.metrics[nid].setdefault("bytes_up", num_bytes(group.reply_reference(nid)))
             result.metrics[nid]["bytes_down"] = num_bytes(group.start[nid])
-        results.append(result)
     return results
+
+
+# What PQ-LoRA clients add to their train metrics (gates, routing, alignment), copied into the per-node rows.
+CLIENT_ADAPTER_METRICS = ("beta", "active_blocks", "align_error_before", "align_error_after")
 
 
 def _train_rows(results: list[GroupResult], aggregate_seconds: float) -> dict[int | None, dict[str, Any]]:
@@ -119,6 +144,7 @@ def _train_rows(results: list[GroupResult], aggregate_seconds: float) -> dict[in
                 "bytes_up": metrics.get("bytes_up", 0),
                 "bytes_down": metrics.get("bytes_down", 0),
                 "accepted": nid in result.contributors,
+                **{k: metrics[k] for k in CLIENT_ADAPTER_METRICS if k in metrics},
             }
         rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
     return rows
@@ -133,6 +159,7 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
         metrics = evaluated.get(nid)
         row: dict[str, Any] = {"round": server_round, "node": nid, "seconds": seconds}
         row.update(train_rows.get(nid, {"bytes_up": 0, "bytes_down": 0}))
+        row["bytes_up"] = row.get("bytes_up", 0) + row.get("signature_bytes", 0)
         row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
         if isinstance(metrics, dict):
             row.update({k: metrics.get(k) for k in ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")})
@@ -159,10 +186,12 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
 
 def _save_adapters(cfg: RunConfig, strategy: Strategy, run: RunDirectory) -> list:
     adapters = strategy.final_adapters()
+    if cfg.adapter == "pqlora":  # the server holds each client's global P/Q; clients save their full adapters
+        return [save_arrays(arrays, run.path / "adapters" / name) for name, arrays in adapters.items()]
     if len(adapters) == 1:
         (arrays,) = adapters.values()
         return [save_peft_adapter(arrays, cfg.lora, cfg.model.name, run.path / "adapter")]
-    return [save_peft_adapter(arrays, cfg.lora, cfg.model.name, run.path / "adapters" / name) for name, arrays in adapters.items()]
+    return [save_peft_adapter(arrays, cfg.lora, name, run.path / "adapters" / name) for name, arrays in adapters.items()]
 
 
 def _fmt(value) -> str:

@@ -17,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from common.config import resolve_run_dir
 from strategies.base import Arrays
+
+from . import plots
 
 
 class RunDirectory:
@@ -25,10 +28,7 @@ class RunDirectory:
     ``$TESSERA_RUN_ROOT`` (set by the scripts), else the current directory."""
 
     def __init__(self, path: str | Path) -> None:
-        path = Path(path).expanduser()
-        if not path.is_absolute():  # the ServerApp's working directory is Flower's choice, not the user's
-            path = Path(os.environ.get("TESSERA_RUN_ROOT", os.getcwd())) / path
-        self.path = path.resolve()
+        self.path = resolve_run_dir(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.path / "metrics.jsonl"
         self.checkpoint_dir = self.path / "checkpoint"
@@ -76,38 +76,15 @@ class RunDirectory:
                 state.setdefault(group, {})[key] = data[flat_key]
         return meta, state
 
-    # plots ---------------------------------------------------------------------------------------------------
+    # plots (server_app/plots.py) ----------------------------------------------------------------------------
     def plot_eval_loss(self) -> Path:
-        import matplotlib
+        return plots.eval_loss(self.read_metrics(), self.path / "eval_loss.png")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def plot_relevance(self, server_round: int, aggregate_row: dict[str, Any]) -> Path:
+        return plots.relevance(server_round, aggregate_row, self.path / "relevance" / f"round-{server_round:03d}.png")
 
-        rows = [r for r in self.read_metrics() if r.get("eval_loss") is not None]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for node in sorted({r["node"] for r in rows}, key=lambda n: (n is None, n or 0)):
-            mine = sorted((r["round"], r["eval_loss"]) for r in rows if r["node"] == node)
-            label = "aggregate" if node is None else f"client {_client_label(rows, node)}"
-            ax.plot([m[0] for m in mine], [m[1] for m in mine], marker="o", label=label, linewidth=2.5 if node is None else 1.2)
-        from matplotlib.ticker import MaxNLocator
-
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-        ax.set_xlabel("round")
-        ax.set_ylabel("held-out loss (answer tokens)")
-        ax.set_title("Per-client evaluation loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        out = self.path / "eval_loss.png"
-        fig.savefig(out, dpi=120)
-        plt.close(fig)
-        return out
-
-
-def _client_label(rows: list[dict[str, Any]], node: int) -> str:
-    tasks = next((r.get("tasks") for r in rows if r["node"] == node and r.get("tasks")), None)
-    pid = next((r.get("partition_id") for r in rows if r["node"] == node and r.get("partition_id") is not None), None)
-    return f"{pid} ({tasks})" if pid is not None else str(node)
+    def plot_gates(self) -> Path:
+        return plots.gates(self.read_metrics(), self.path / "gates.png")
 
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:

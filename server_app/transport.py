@@ -18,16 +18,21 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from common.config import SecAggSection
 from common.logs import get_logger
 from common.records import (
+    QUERY_INITIAL,
+    QUERY_REPORT,
     ReplyError,
     check_arrays,
     eval_instruction,
     num_bytes,
+    query_instruction,
+    read_initial_reply,
     read_metrics,
+    read_report_reply,
     read_train_reply,
     train_instruction,
 )
 from strategies.aggregation import weighted_mean
-from strategies.base import Arrays, Group, GroupResult
+from strategies.base import Arrays, ClientInfo, ClientReport, Group, GroupResult
 
 log = get_logger("tessera.server")
 
@@ -42,31 +47,38 @@ def _send(grid, messages: list[Message], timeout: float) -> dict[int, Message | 
     return out
 
 
-def train_group_plain(grid, server_round: int, group: Group, config: dict[str, Any], timeout: float) -> GroupResult:
-    """Train every member from its start adapter; return the example-weighted mean of the valid replies."""
-    messages = [
-        Message(train_instruction(group.start[nid], config), dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round))
-        for nid in group.members
-    ]
-    result = GroupResult(group.name, None, 0.0, [])
-    updates, weights = [], []
-    for nid, reply in _send(grid, messages, timeout).items():
-        try:
-            if isinstance(reply, str):
-                raise ReplyError(reply)
-            arrays, n, metrics = read_train_reply(reply.content, group.start[nid])
-        except (ReplyError, KeyError, TypeError, ValueError) as err:
-            result.rejected[nid] = str(err)
-            log.warning("round %d group %s: reply from node %d rejected: %s", server_round, group.name, nid, err)
-            continue
-        updates.append(arrays)
-        weights.append(n)
-        result.contributors.append(nid)
-        result.metrics[nid] = {**metrics, "num_examples": n, "bytes_up": num_bytes(arrays)}
-    if updates:
-        result.mean = weighted_mean(updates, weights)
-        result.total_weight = float(sum(weights))
-    return result
+def train_groups_plain(grid, server_round: int, groups: list[Group], config: dict[str, Any], timeout: float) -> list[GroupResult]:
+    """Train every member of every group at once; return each group's example-weighted mean of its valid replies."""
+    messages, group_of = [], {}
+    for group in groups:
+        for nid in group.members:
+            group_of[nid] = group
+            instruction = train_instruction(group.start[nid], {**config, **group.config})
+            messages.append(Message(instruction, dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round)))
+    replies = _send(grid, messages, timeout)
+    results = []
+    for group in groups:
+        result = GroupResult(group.name, None, 0.0, [])
+        updates, weights = [], []
+        for nid in group.members:
+            try:
+                reply = replies[nid]
+                if isinstance(reply, str):
+                    raise ReplyError(reply)
+                arrays, n, metrics = read_train_reply(reply.content, group.reply_reference(nid))
+            except (ReplyError, KeyError, TypeError, ValueError) as err:
+                result.rejected[nid] = str(err)
+                log.warning("round %d group %s: reply from node %d rejected: %s", server_round, group.name, nid, err)
+                continue
+            updates.append(arrays)
+            weights.append(n)
+            result.contributors.append(nid)
+            result.metrics[nid] = {**metrics, "num_examples": n, "bytes_up": num_bytes(arrays)}
+        if updates:
+            result.mean = weighted_mean(updates, weights)
+            result.total_weight = float(sum(weights))
+        results.append(result)
+    return results
 
 
 def train_group_secure(
@@ -77,8 +89,9 @@ def train_group_secure(
     from flwr.server.workflow import SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
-    names = sorted(next(iter(group.start.values())))
-    capture = _CaptureGroup(grid, context.run_id, group, names, config)
+    names = sorted(next(iter(group.start.values())))  # what members receive (positionally, under SecAgg+)
+    reply_names = sorted(group.reply_reference(group.members[0]))  # what they send back
+    capture = _CaptureGroup(grid, context.run_id, group, names, {**config, **group.config})
     state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()})
     legacy = LegacyContext(
         Context(context.run_id, context.node_id, dict(context.node_config), state, dict(context.run_config)), strategy=capture
@@ -95,9 +108,11 @@ def train_group_secure(
     result = GroupResult(group.name, None, 0.0, sorted(capture.metrics), metrics=capture.metrics)
     result.rejected = {nid: "dropped out of SecAgg+" for nid in group.members if nid not in capture.metrics}
     if capture.mean is not None:
-        mean = dict(zip(names, capture.mean))
+        mean = dict(zip(reply_names, capture.mean))
         try:
-            check_arrays(mean, group.start[group.members[0]])
+            if len(capture.mean) != len(reply_names):
+                raise ReplyError(f"{len(capture.mean)} arrays in the aggregate, expected {len(reply_names)}")
+            check_arrays(mean, group.reply_reference(group.members[0]))
             result.mean = {k: v.astype(np.float32) for k, v in mean.items()}
             result.total_weight = float(sum(m["num_examples"] for m in capture.metrics.values()))
         except ReplyError as err:
@@ -157,19 +172,48 @@ def evaluate_nodes(grid, server_round: int, arrays_by_node: dict[int, Arrays], c
     return out
 
 
-def query_initial_adapter(grid, node_ids: list[int], timeout: float) -> Arrays:
-    """Ask clients (in turn, until one answers) for the common initial adapter."""
-    from common.records import ARRAYS, from_array_record
+def query_clients(grid, node_ids: list[int], timeout: float) -> dict[int, ClientInfo]:
+    """Ask every node for its initial adapter and identity (partition id, base model); nodes that fail are left out."""
+    messages = [Message(query_instruction(QUERY_INITIAL), dst_node_id=nid, message_type=MessageType.QUERY) for nid in node_ids]
+    clients: dict[int, ClientInfo] = {}
+    for nid, reply in _send(grid, messages, timeout).items():
+        try:
+            if isinstance(reply, str):
+                raise ReplyError(reply)
+            arrays, identity = read_initial_reply(reply.content)
+            clients[nid] = ClientInfo(nid, int(identity.get("partition-id", nid)), str(identity.get("model", "?")), arrays)
+        except (ReplyError, KeyError, TypeError, ValueError) as err:
+            log.warning("node %d gave no initial adapter: %s", nid, err)
+    if not clients:
+        raise RuntimeError("no client returned an initial adapter")
+    return clients
 
-    for nid in node_ids:
-        msg = Message(RecordDict({"config": ConfigRecord({"query": "initial-adapter"})}), dst_node_id=nid, message_type=MessageType.QUERY)
-        reply = _send(grid, [msg], timeout)[nid]
-        if isinstance(reply, Message) and ARRAYS in reply.content:
-            arrays = from_array_record(reply.content.array_records[ARRAYS])
-            if all(np.all(np.isfinite(a)) for a in arrays.values()):
-                return arrays
-        log.warning("node %d gave no initial adapter: %s", nid, reply if isinstance(reply, str) else "bad reply")
-    raise RuntimeError("no client returned an initial adapter")
+
+def collect_reports(grid, server_round: int, node_ids: list[int], num_blocks: int, timeout: float) -> tuple[dict[int, ClientReport], dict[int, str]]:
+    """Every node's sanitised signature and block salience; malformed reports are left out with a reason."""
+    messages = [
+        Message(query_instruction(QUERY_REPORT, {"server-round": server_round}), dst_node_id=nid, message_type=MessageType.QUERY, group_id=f"report-{server_round}")
+        for nid in node_ids
+    ]
+    reports: dict[int, ClientReport] = {}
+    rejected: dict[int, str] = {}
+    for nid, reply in _send(grid, messages, timeout).items():
+        try:
+            if isinstance(reply, str):
+                raise ReplyError(reply)
+            signature, salience, _ = read_report_reply(reply.content, num_blocks)
+            reports[nid] = ClientReport(signature, salience)
+        except (ReplyError, KeyError, TypeError, ValueError) as err:
+            rejected[nid] = str(err)
+    # Signatures are comparable only with the same probe and sketch: the length most clients sent wins.
+    lengths = [r.signature.size for r in reports.values()]
+    if lengths:
+        common = max(set(lengths), key=lengths.count)
+        for nid in [n for n, r in reports.items() if r.signature.size != common]:
+            rejected[nid] = f"signature has {reports.pop(nid).signature.size} numbers, the others {common} (another probe?)"
+    for nid, reason in rejected.items():
+        log.warning("round %d: node %d left out of the relevance matrix: %s", server_round, nid, reason)
+    return reports, rejected
 
 
 def wait_for_nodes(grid, minimum: int, timeout: float) -> list[int]:

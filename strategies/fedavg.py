@@ -1,46 +1,83 @@
 """FedAvg over LoRA adapters: the baseline every other strategy is compared with.
 
-One group holding every client; the new global adapter is the example-weighted mean of their trained adapters
-(McMahan et al., 2017). In secure mode the server learns only that mean (through SecAgg+), never one client's
-adapter.
+The new global adapter is the example-weighted mean of the clients' trained adapters (McMahan et al., 2017). In a
+federation of different base models, LoRA's A and B have model-specific shapes, so FedAvg can only average
+within a model family: one group (and one global adapter) per base model. In secure mode the server learns only
+each family's mean (through SecAgg+), never one client's adapter.
 """
 
 from __future__ import annotations
 
-from .base import Arrays, Group, GroupResult, Strategy
+import re
+
+from common.logs import get_logger
+
+from .base import Arrays, ClientInfo, Group, GroupResult, Strategy
+
+log = get_logger("tessera.server")
+
+
+def family_key(model: str) -> str:
+    """A checkpoint-safe name for a base model's family ("global" state per family)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
 
 
 class FedAvg(Strategy):
-    """Federated averaging of the full adapter.
+    """Federated averaging of the full LoRA adapter, one group per base model.
 
-    State: ``global`` — the current global adapter. A round whose group produced no mean (every reply rejected,
-    or too few) keeps the previous global adapter.
+    State: ``global`` (one family) or ``global-<model>`` (several) — the current global adapter of each family.
+    A round whose group produced no mean (every reply rejected, or too few) keeps the previous adapter.
     """
 
     name = "fedavg"
 
     def __init__(self) -> None:
-        self.global_arrays: Arrays | None = None
+        self.family_of: dict[int, str] = {}  # node id -> family
+        self.global_arrays: dict[str, Arrays] = {}  # family -> adapter
 
-    def initialise(self, initial: Arrays) -> None:
-        self.global_arrays = {k: v.copy() for k, v in initial.items()}
+    def initialise(self, clients: dict[int, ClientInfo]) -> None:
+        for nid, info in sorted(clients.items()):
+            family = family_key(info.model)
+            self.family_of[nid] = family
+            self.global_arrays.setdefault(family, {k: v.copy() for k, v in info.initial.items()})
+        if len(self.global_arrays) > 1:
+            log.info("fedavg: %d model families, averaged separately: %s", len(self.global_arrays), sorted(self.global_arrays))
 
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
-        assert self.global_arrays is not None, "initialise() first"
-        return [Group("all", {nid: self.global_arrays for nid in node_ids})]
+        groups: dict[str, Group] = {}
+        for nid in node_ids:
+            family = self.family_of.get(nid)
+            if family is None:
+                log.warning("round %d: node %d joined after round 0; it is not trained until the run restarts", server_round, nid)
+                continue
+            groups.setdefault(family, Group(family, {})).start[nid] = self.global_arrays[family]
+        return list(groups.values())
 
     def update(self, server_round: int, results: list[GroupResult]) -> None:
-        (result,) = results
-        if result.mean is not None:
-            self.global_arrays = result.mean
+        for result in results:
+            if result.mean is not None:
+                self.global_arrays[result.name] = result.mean
 
     def eval_arrays(self, node_id: int) -> Arrays:
-        assert self.global_arrays is not None, "initialise() first"
-        return self.global_arrays
+        return self.global_arrays[self.family_of[node_id]]
 
     def state_dict(self) -> dict[str, Arrays]:
-        assert self.global_arrays is not None, "initialise() first"
-        return {"global": self.global_arrays}
+        if len(self.global_arrays) == 1:
+            (arrays,) = self.global_arrays.values()
+            return {"global": arrays}
+        return {f"global-{family}": arrays for family, arrays in self.global_arrays.items()}
 
     def load_state_dict(self, state: dict[str, Arrays]) -> None:
-        self.global_arrays = state["global"]
+        if "global" in state and len(self.global_arrays) <= 1:
+            family = next(iter(self.global_arrays), "global")
+            self.global_arrays = {family: state["global"]}
+            return
+        for family in self.global_arrays:
+            if f"global-{family}" not in state:
+                raise ValueError(f"resume: the checkpoint has no adapter for model family '{family}' (has {sorted(state)})")
+            self.global_arrays[family] = state[f"global-{family}"]
+
+    def final_adapters(self) -> dict[str, Arrays]:
+        if len(self.global_arrays) == 1:
+            return self.state_dict()
+        return dict(self.global_arrays)

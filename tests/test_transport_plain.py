@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flwr.app import Error, Message, RecordDict
 
-from common.records import read_train_instruction, train_reply
-from server_app.transport import train_group_plain
+from common.records import read_train_instruction, report_reply, train_reply
+from server_app.transport import collect_reports, train_groups_plain
 from strategies.aggregation import weighted_mean
 from strategies.base import Group
 
@@ -32,12 +32,16 @@ class InMemoryGrid:
         self.sent = []
 
     def send_and_receive(self, messages, *, timeout=None):
+        self.batches = getattr(self, "batches", 0) + 1
         replies = []
         for msg in messages:
             self.sent.append(msg)
             nid = msg.metadata.dst_node_id
-            arrays, _ = read_train_instruction(msg.content, sorted(START))
-            out = self.behaviour[nid](arrays)
+            if "fitins.parameters" in msg.content:
+                arrays, config = read_train_instruction(msg.content, sorted(START))
+                out = self.behaviour[nid](arrays, config) if "config" in self.behaviour[nid].__code__.co_varnames else self.behaviour[nid](arrays)
+            else:
+                out = self.behaviour[nid](msg.content)
             if out is None:
                 continue
             reply = Message(out, reply_to=msg)
@@ -64,7 +68,7 @@ def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
     server_log = logging.getLogger("tessera.server")  # it does not propagate to the root logger caplog watches
     server_log.addHandler(caplog.handler)
     try:
-        result = train_group_plain(grid, 1, group, {"server-round": 1}, timeout=1.0)
+        (result,) = train_groups_plain(grid, 1, [group], {"server-round": 1}, timeout=1.0)
     finally:
         server_log.removeHandler(caplog.handler)
     assert result.contributors == [1, 2]
@@ -81,5 +85,49 @@ def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
 
 def test_all_bad_gives_no_mean():
     grid = InMemoryGrid({1: lambda a: None, 2: lambda a: Error(code=0, reason="x")})
-    result = train_group_plain(grid, 2, Group("all", {1: START, 2: START}), {}, timeout=1.0)
+    (result,) = train_groups_plain(grid, 2, [Group("all", {1: START, 2: START})], {}, timeout=1.0)
     assert result.mean is None and result.contributors == []
+
+
+def test_groups_train_in_one_batch_and_return_only_their_send_back_names():
+    """Several groups (SimGrad plain mode: one per client) go out together; each member returns only the arrays
+    its group asked for (layerwise routing) and the group's config reaches it."""
+    seen = {}
+
+    def routed(nid):
+        def reply(arrays, config):
+            seen[nid] = config["active-blocks"]
+            return train_reply({"w.lora_A.weight": arrays["w.lora_A.weight"] + nid}, 4, {})
+        return reply
+
+    grid = InMemoryGrid({1: routed(1), 2: routed(2), 3: lambda a: train_reply(a, 4, {})})  # 3 sends too much
+    groups = [Group(f"p{n}", {n: START}, send_back=["w.lora_A.weight"], config={"active-blocks": "0"}) for n in (1, 2, 3)]
+    results = train_groups_plain(grid, 1, groups, {"server-round": 1}, timeout=1.0)
+    assert grid.batches == 1 and seen == {1: "0", 2: "0"}
+    assert [sorted(r.mean) if r.mean else None for r in results] == [["w.lora_A.weight"], ["w.lora_A.weight"], None]
+    np.testing.assert_allclose(results[1].mean["w.lora_A.weight"], 2.0)
+    assert "unexpected" in results[2].rejected[3]
+
+
+def test_malformed_signatures_are_left_out_of_the_relevance_matrix_with_a_reason(caplog):
+    good_sig = np.ones(12, np.float32)
+    behaviour = {
+        1: lambda content: report_reply(good_sig, [0.1, 0.2], {}),
+        2: lambda content: report_reply(good_sig * 2, [0.3, 0.0], {}),
+        3: lambda content: report_reply(np.full(12, np.nan, np.float32), [0.1, 0.1], {}),  # NaN
+        4: lambda content: report_reply(np.zeros(12, np.float32), [0.1, 0.1], {}),  # all zeros
+        5: lambda content: report_reply(np.ones(7, np.float32), [0.1, 0.1], {}),  # another probe's length
+        6: lambda content: report_reply(good_sig, [0.1], {}),  # salience for the wrong number of blocks
+        7: lambda content: RecordDict(),  # no signature at all
+    }
+    server_log = logging.getLogger("tessera.server")
+    server_log.addHandler(caplog.handler)
+    try:
+        reports, rejected = collect_reports(InMemoryGrid(behaviour), 1, sorted(behaviour), num_blocks=2, timeout=1.0)
+    finally:
+        server_log.removeHandler(caplog.handler)
+    assert sorted(reports) == [1, 2] and sorted(rejected) == [3, 4, 5, 6, 7]
+    assert "NaN" in rejected[3] and "zeros" in rejected[4] and "7 numbers" in rejected[5]
+    assert "salience" in rejected[6] and "signature" in rejected[7]
+    np.testing.assert_allclose(reports[2].salience, [0.3, 0.0])
+    assert sum("left out of the relevance matrix" in rec.message for rec in caplog.records) == 5

@@ -1,0 +1,162 @@
+"""SimGrad (FedMosaic): relevance-weighted, personalised aggregation of PQ-LoRA across heterogeneous clients.
+
+Every round each client reports a sanitised gradient signature of a shared frozen probe and the salience of its
+adapter blocks. The server builds the cosine relevance matrix S, the row softmax W = softmax(S / tau), and gives
+every client i its own global adapter P_G_i = sum_j W_ij P_L_j (likewise Q). P and Q are r x r and r numbers per
+projection, independent of the base model's width, so clients with different base models mix them.
+
+How the sums travel (``secure``):
+- plain: every client is its own group, so the server sees each P_L_j and the mix is exact;
+- secure: clients are grouped by their relevance rows (groups of at least ``min-group-size``), each group's mean
+  goes through SecAgg+, and client i gets sum_g (sum_{j in g} W_ij) mean_g. The server learns the signatures, S,
+  W and one mean per group, never an individual P/Q. The two agree exactly when W is constant inside groups.
+Layerwise routing: each group trains and sends only its ``route-budget`` most salient blocks; the other blocks'
+global parts are kept. The math lives in ``strategies/relevance.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from common.config import SimGradSection
+from common.logs import get_logger
+
+from .base import Arrays, ClientInfo, ClientReport, Group, GroupResult, Strategy
+from .relevance import (
+    cosine_relevance,
+    group_by_relevance,
+    mix_group_means,
+    personalised_mix,
+    relevance_weights,
+    route_blocks,
+)
+
+log = get_logger("tessera.server")
+
+
+def block_of(name: str) -> int:
+    """``block3.q_proj.P`` -> 3."""
+    return int(name.split(".", 1)[0].removeprefix("block"))
+
+
+class SimGrad(Strategy):
+    """Personalised PQ-LoRA aggregation by gradient-signature relevance (plain: exact; secure: group sums).
+
+    Args:
+        cfg: the ``simgrad`` config section (temperature, mixing, route budget, min group size).
+        secure: whether group means go through SecAgg+ (then groups have at least ``cfg.min_group_size`` members).
+
+    State: ``client-<partition id>`` — each client's personalised global P/Q.
+    """
+
+    name = "simgrad"
+    wants_reports = True
+
+    def __init__(self, cfg: SimGradSection, secure: bool = False) -> None:
+        self.cfg = cfg
+        self.secure = secure
+        self.partition_of: dict[int, int] = {}
+        self.model_of: dict[int, str] = {}
+        self.global_by_partition: dict[int, Arrays] = {}
+        self.names: list[str] = []
+        self.nodes: list[int] = []  # this round's clients with a valid report, in matrix order
+        self.scores = np.zeros((0, 0))
+        self.weights = np.zeros((0, 0))
+        self.groups: list[list[int]] = []  # indices into self.nodes
+        self.active: list[list[int]] = []  # per group: the blocks trained and sent
+
+    # ------------------------------------------------------------------------------------------------------
+    def initialise(self, clients: dict[int, ClientInfo]) -> None:
+        shapes = {nid: {k: v.shape for k, v in info.initial.items()} for nid, info in clients.items()}
+        reference = next(iter(shapes.values()))
+        for nid, shape in shapes.items():
+            if shape != reference:  # P/Q must not depend on the model; different shapes mean different pqlora settings
+                raise ValueError(f"simgrad: node {nid}'s PQ-LoRA arrays differ from the others' ({clients[nid].model}); use one pqlora config")
+        for nid, info in clients.items():
+            self.partition_of[nid] = info.partition_id
+            self.model_of[nid] = info.model
+            self.global_by_partition.setdefault(info.partition_id, {k: v.copy() for k, v in info.initial.items()})
+        self.names = sorted(reference)
+
+    @property
+    def num_blocks(self) -> int:
+        return len({block_of(n) for n in self.names})
+
+    def observe_reports(self, server_round: int, reports: dict[int, ClientReport]) -> None:
+        self.nodes = sorted(nid for nid in reports if nid in self.partition_of)
+        if not self.nodes:
+            self.scores = self.weights = np.zeros((0, 0))
+            self.groups, self.active = [], []
+            return
+        signatures = np.stack([reports[nid].signature for nid in self.nodes]).astype(np.float64)
+        self.scores = cosine_relevance(signatures)
+        self.weights = relevance_weights(signatures, self.cfg.temperature, self.cfg.mixing)
+        n = len(self.nodes)
+        if self.secure:
+            self.groups = group_by_relevance(self.scores, self.cfg.min_group_size)
+        else:
+            self.groups = [[i] for i in range(n)]
+        salience = np.stack([np.asarray(reports[nid].salience, dtype=np.float64) for nid in self.nodes])
+        budget = self.cfg.route_budget
+        self.active = [route_blocks(salience[g].sum(axis=0), budget) for g in self.groups]
+        log.info(
+            "round %d: relevance over %d clients; groups %s; active blocks %s",
+            server_round, n, [[self.nodes[i] for i in g] for g in self.groups], self.active,
+        )
+
+    def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
+        present = set(node_ids)
+        groups = []
+        for index, (members, blocks) in enumerate(zip(self.groups, self.active)):
+            nodes = [self.nodes[i] for i in members if self.nodes[i] in present]
+            send_back = [k for k in self.names if block_of(k) in blocks]
+            start = {nid: self.global_by_partition[self.partition_of[nid]] for nid in nodes}
+            config = {"active-blocks": ",".join(str(b) for b in blocks)}
+            groups.append(Group(self._group_name(index), start, send_back, config))
+        return [g for g in groups if g.start]
+
+    def update(self, server_round: int, results: list[GroupResult]) -> None:
+        if not self.nodes:
+            return
+        by_name = {r.name: r for r in results}
+        names = [self._group_name(i) for i in range(len(self.groups))]
+        if self.secure:
+            means = [by_name[name].mean if name in by_name else None for name in names]
+            mixed = mix_group_means(self.weights, self.groups, means)
+        else:
+            updates = [by_name[name].mean if name in by_name and by_name[name].mean is not None else {} for name in names]
+            mixed = personalised_mix(self.weights, updates)
+        for i, nid in enumerate(self.nodes):
+            previous = self.global_by_partition[self.partition_of[nid]]
+            # Blocks nobody trained this round (routing, or every reply rejected) keep their previous global part.
+            self.global_by_partition[self.partition_of[nid]] = {k: mixed[i].get(k, previous[k]).astype(np.float32) for k in self.names}
+
+    def _group_name(self, index: int) -> str:
+        if self.secure:
+            return f"g{index}"
+        return f"p{self.partition_of[self.nodes[self.groups[index][0]]]}"
+
+    def eval_arrays(self, node_id: int) -> Arrays:
+        return self.global_by_partition[self.partition_of[node_id]]
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "relevance_nodes": self.nodes,
+            "relevance_partitions": [self.partition_of[n] for n in self.nodes],
+            "relevance_models": [self.model_of[n] for n in self.nodes],
+            "relevance": self.scores.round(6).tolist(),
+            "relevance_weights": self.weights.round(6).tolist(),
+            "groups": [[self.nodes[i] for i in g] for g in self.groups],
+            "active_blocks": self.active,
+        }
+
+    # ------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Arrays]:
+        return {f"client-{pid}": arrays for pid, arrays in sorted(self.global_by_partition.items())}
+
+    def load_state_dict(self, state: dict[str, Arrays]) -> None:
+        for key, arrays in state.items():
+            pid = int(key.removeprefix("client-"))
+            self.global_by_partition[pid] = arrays
