@@ -98,9 +98,10 @@ def train(msg: Message, context: Context) -> Message:
     rt.adapter.begin(context, arrays)
     rt.adapter.prepare_training(active)
     server_round = int(config.get("server-round", 1))
-    lr = round_learning_rate(rt.cfg.train, server_round, int(config.get("num-server-rounds", rt.cfg.num_server_rounds)))
-    log.info("node %s (partition %d) round %d: training %d steps, lr %.2e", context.node_id, rt.partition_id, server_round, rt.cfg.train.local_steps, lr)
-    metrics = train_round(rt.model, rt.tokenizer, rt.train, rt.cfg.train, lr, seed=rt.cfg.seed * 1000 + server_round * 97 + rt.partition_id)
+    settings = rt.cfg.train_settings()
+    lr = round_learning_rate(settings, server_round, int(config.get("num-server-rounds", rt.cfg.num_server_rounds)))
+    log.info("node %s (partition %d) round %d: training %d steps, lr %.2e", context.node_id, rt.partition_id, server_round, settings.local_steps, lr)
+    metrics = train_round(rt.model, rt.tokenizer, rt.train, settings, lr, seed=rt.cfg.seed * 1000 + server_round * 97 + rt.partition_id)
     updated, adapter_metrics = rt.adapter.outgoing(active)
     if not math.isfinite(metrics["train_loss"]) or not all(np.all(np.isfinite(a)) for a in updated.values()):
         # Never send (or mask, under SecAgg+) a diverged update: the error makes the server leave this node out.

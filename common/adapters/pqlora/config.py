@@ -1,0 +1,79 @@
+"""What a PQ-LoRA adapter is: rank, how many (last) transformer blocks, which projections, scaling, gate, seed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PQLoraConfig:
+    """Configuration of a FedMosaic PQ-LoRA adapter.
+
+    Attributes:
+        r: rank of the frozen orthogonal A (r x d_in) / B (d_out x r); P is r x r and Q has r entries.
+        num_blocks: adapt the LAST ``num_blocks`` transformer blocks (indexed 0.. from the first adapted one).
+        target_modules: names of the projections to wrap inside each adapted block (e.g. ``q_proj``).
+        scaling: factor on the adapter path.
+        gate_init: initial gate logit per block; beta = sigmoid(gate), 0.0 -> beta 0.5.
+        seed: base seed of the deterministic A/B init (shared by every client of a federation).
+    """
+
+    r: int = 8
+    num_blocks: int = 4
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    scaling: float = 1.0
+    gate_init: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Lists (JSON) and "a,b" strings (TOML run config) are normalised to a tuple so configs compare equal.
+        modules = self.target_modules
+        if isinstance(modules, str):
+            modules = tuple(m.strip() for m in modules.split(",") if m.strip())
+        try:
+            modules = tuple(modules)
+        except TypeError:
+            raise ValueError(f"target_modules: expected a sequence of names, got {self.target_modules!r}") from None
+        object.__setattr__(self, "target_modules", modules)
+
+        if not _is_int(self.r) or self.r < 1:
+            raise ValueError(f"r: must be an integer >= 1, got {self.r!r}")
+        if not _is_int(self.num_blocks) or self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be an integer >= 1, got {self.num_blocks!r}")
+        if not modules or not all(isinstance(m, str) and m for m in modules):
+            raise ValueError(f"target_modules: must be non-empty names, got {self.target_modules!r}")
+        if len(set(modules)) != len(modules):
+            raise ValueError(f"target_modules: duplicate names in {modules!r}")
+        if not _is_real(self.scaling) or not math.isfinite(self.scaling) or self.scaling <= 0:
+            raise ValueError(f"scaling: must be a finite number > 0, got {self.scaling!r}")
+        if not _is_real(self.gate_init) or not math.isfinite(self.gate_init):
+            raise ValueError(f"gate_init: must be a finite number, got {self.gate_init!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed: must be an integer >= 0, got {self.seed!r}")
+        object.__setattr__(self, "scaling", float(self.scaling))
+        object.__setattr__(self, "gate_init", float(self.gate_init))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``target_modules`` as a list)."""
+        out = asdict(self)
+        out["target_modules"] = list(self.target_modules)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PQLoraConfig":
+        """Inverse of ``to_dict``; unknown keys are an error (a typo must not fall back to a default)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown PQLoraConfig field (known: {sorted(known)})")
+        return cls(**data)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
