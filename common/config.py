@@ -85,7 +85,7 @@ class PQLoraSection(_Section):
 class SimGradSection(_Section):
     """SimGrad relevance aggregation: signatures, relevance softmax, grouping, routing and alignment."""
 
-    temperature: float = Field(0.1, gt=0)  # row softmax of the cosine relevance matrix
+    temperature: float = Field(0.3, gt=0)  # row softmax of the cosine relevance matrix
     mixing: Literal["relevance", "uniform", "local-only"] = "relevance"  # uniform / local-only: ablations
     probe_model: str = Field("smollm2-135m-instruct", min_length=1)  # the small frozen model every client probes
     probe_examples: int = Field(8, ge=1)

@@ -31,7 +31,8 @@ def num_bytes(arrays: dict[str, np.ndarray]) -> int:
 
 
 def to_array_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.ascontiguousarray(arrays[k], dtype=np.float32)) for k in sorted(arrays)})
+    # np.require keeps 0-d arrays (scalars such as a gate) 0-d; np.ascontiguousarray would make them (1,).
+    return ArrayRecord({k: Array(np.require(arrays[k], dtype=np.float32, requirements="C")) for k in sorted(arrays)})
 
 
 def from_array_record(record: ArrayRecord, names: list[str] | None = None) -> dict[str, np.ndarray]:

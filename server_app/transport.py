@@ -43,8 +43,16 @@ def _send(grid, messages: list[Message], timeout: float) -> dict[int, Message | 
     out: dict[int, Message | str] = {nid: f"no reply within {timeout:.0f}s" for nid in dst}
     for reply in grid.send_and_receive(messages, timeout=timeout):
         src = reply.metadata.src_node_id
-        out[src] = f"client error: {reply.error.reason}" if reply.has_error() else reply
+        out[src] = f"client error: {_short_reason(reply.error.reason)}" if reply.has_error() else reply
     return out
+
+
+def _short_reason(reason: str, limit: int = 400) -> str:
+    """The client's own exception message, without the Ray / Flower traceback wrapped around it."""
+    marker = "Message: "
+    if marker in reason:
+        reason = reason.rsplit(marker, 1)[1].rstrip("'>\n ")
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 def train_groups_plain(grid, server_round: int, groups: list[Group], config: dict[str, Any], timeout: float) -> list[GroupResult]:

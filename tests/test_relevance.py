@@ -245,3 +245,14 @@ def test_probe_gradient_matches_autograd_sketch(tiny_llama_dir):
     ref = ref.numpy().ravel()
     assert np.linalg.norm(probe - ref) <= 1e-5 * np.linalg.norm(ref)
     assert not any(p.requires_grad for p in model.parameters()) and not model.training
+
+
+def test_overlap_cosine_undoes_independent_subsampling():
+    """Two clients with the SAME gradient and independent 60% masks: plain cosine ~0.6, overlap cosine 1."""
+    rng = np.random.default_rng(3)
+    g = rng.normal(size=5000)
+    masked = np.stack([g * (rng.random(5000) < 0.6) for _ in range(2)])
+    assert abs(cosine_relevance(masked, overlap=False)[0, 1] - 0.6) < 0.03
+    assert cosine_relevance(masked)[0, 1] > 0.999
+    dense = rng.normal(size=(4, 30))
+    np.testing.assert_allclose(cosine_relevance(dense), cosine_relevance(dense, overlap=False), atol=1e-12)

@@ -21,20 +21,27 @@ START = {"x.lora_A.weight": np.full((3, 4), 0.1, np.float32), "x.lora_B.weight":
 MAX_WEIGHT = 40.0
 
 
-def client_update(partition_id: int) -> tuple[dict, int]:
+# PQ-LoRA's arrays (SimGrad): members receive every block's global P/Q but send back only the routed block.
+PQ_START = {f"block{b}.q_proj.{k}": np.full((2, 2) if k == "P" else (2,), 0.1 * b, np.float32) for b in range(2) for k in ("P", "Q")}
+PQ_SEND_BACK = ["block1.q_proj.P", "block1.q_proj.Q"]
+
+
+def client_update(partition_id: int, start=START, send_back=None) -> tuple[dict, int]:
     rng = np.random.default_rng(partition_id)
-    return {k: v + rng.normal(scale=0.5, size=v.shape).astype(np.float32) for k, v in START.items()}, 10 * (partition_id + 1)
+    names = send_back or sorted(start)
+    return {k: start[k] + rng.normal(scale=0.5, size=start[k].shape).astype(np.float32) for k in names}, 10 * (partition_id + 1)
 
 
-def run_secure_round(tmp_path, num_nodes: int):
+def run_secure_round(tmp_path, num_nodes: int, start=START, send_back=None):
     out_file = tmp_path / "result.json"
     client = ClientApp(mods=[secure_aggregation_mod])
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:
-        arrays, config = read_train_instruction(msg.content, NAMES)
-        assert all(np.allclose(arrays[k], START[k]) for k in NAMES) and config["server-round"] == 1
-        update, n = client_update(int(context.node_config["partition-id"]))
+        arrays, config = read_train_instruction(msg.content, sorted(start))
+        assert all(np.allclose(arrays[k], start[k]) for k in start) and config["server-round"] == 1
+        assert config.get("active-blocks", "all") == ("1" if send_back else "all")  # the group's config arrives
+        update, n = client_update(int(context.node_config["partition-id"]), start, send_back)
         return Message(train_reply(update, n, {"partition-id": int(context.node_config["partition-id"])}), reply_to=msg)
 
     server = ServerApp()
@@ -42,7 +49,8 @@ def run_secure_round(tmp_path, num_nodes: int):
     @server.main()
     def main(grid: Grid, context: Context) -> None:
         nodes = wait_for_nodes(grid, num_nodes, timeout=120)
-        result = train_group_secure(grid, context, 1, Group("all", {n: START for n in nodes}), {"server-round": 1}, SecAggSection(), MAX_WEIGHT)
+        group = Group("all", {n: start for n in nodes}, send_back, {"active-blocks": "1"} if send_back else {})
+        result = train_group_secure(grid, context, 1, group, {"server-round": 1}, SecAggSection(), MAX_WEIGHT)
         out_file.write_text(json.dumps({
             "mean": {k: v.tolist() for k, v in result.mean.items()},
             "partitions": sorted(m["partition-id"] for m in result.metrics.values()),
@@ -67,3 +75,20 @@ def test_secure_mean_equals_plain_weighted_mean(tmp_path):
         assert err <= bound, (key, err, bound)
         # and it is not simply the unweighted mean: weights matter
         assert np.abs(plain[key] - np.mean([u[key] for u in updates], axis=0)).max() > 10 * bound
+
+
+def test_secure_routed_pq_group_mean_equals_the_plain_group_mean():
+    """SimGrad's secure mode: a group of 3 sends only its routed block through SecAgg+; the unmasked mean equals
+    the plain-mode group mean within the quantisation bound, and the strategy mixes it like plain means."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_secure_round(Path(tmp), num_nodes=3, start=PQ_START, send_back=PQ_SEND_BACK)
+    assert out["partitions"] == [0, 1, 2] and sorted(out["mean"]) == PQ_SEND_BACK
+    updates, examples = zip(*(client_update(p, PQ_START, PQ_SEND_BACK) for p in range(3)))
+    weights = secagg_weights(examples, MAX_WEIGHT)
+    plain = weighted_mean(list(updates), weights)
+    bound = secagg_error_bound(weights, SecAggSection().clipping_range, SecAggSection().quantization_range)
+    for key in PQ_SEND_BACK:
+        assert np.abs(np.asarray(out["mean"][key], dtype=np.float32) - plain[key]).max() <= bound

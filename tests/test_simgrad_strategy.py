@@ -1,0 +1,117 @@
+"""The SimGrad strategy without Flower: personalised mixing, routing, secure grouping, state by partition."""
+
+import numpy as np
+import pytest
+
+from common.config import SimGradSection
+from strategies import ClientInfo, ClientReport, GroupResult, SimGrad
+
+R = 2
+NAMES = [f"block{b}.{p}.{k}" for b in range(2) for p in ("q_proj", "v_proj") for k in ("P", "Q")]
+
+
+def zeros() -> dict:
+    return {n: np.zeros((R, R) if n.endswith("P") else (R,), np.float32) for n in sorted(NAMES)}
+
+
+def clients(n: int, models=("small", "wide")) -> dict[int, ClientInfo]:
+    return {100 + i: ClientInfo(100 + i, i, models[i % len(models)], zeros()) for i in range(n)}
+
+
+def reports(n: int, seed: int = 0, salience=None) -> dict[int, ClientReport]:
+    rng = np.random.default_rng(seed)
+    family = [rng.normal(size=16) for _ in range(2)]  # two task families
+    return {
+        100 + i: ClientReport(family[i % 2] + 0.1 * rng.normal(size=16), np.asarray(salience[i] if salience else [1.0, 2.0]))
+        for i in range(n)
+    }
+
+
+def local_update(i: int) -> dict:
+    rng = np.random.default_rng(10 + i)
+    return {k: rng.normal(size=v.shape).astype(np.float32) for k, v in zeros().items()}
+
+
+def reference_weights(reps: dict[int, ClientReport], tau: float) -> np.ndarray:
+    sig = np.stack([reps[n].signature for n in sorted(reps)])
+    unit = sig / np.linalg.norm(sig, axis=1, keepdims=True)
+    s = unit @ unit.T / tau
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def test_plain_mode_gives_every_client_its_exact_relevance_weighted_mix():
+    strategy = SimGrad(SimGradSection(temperature=0.5, route_budget=0), secure=False)
+    strategy.initialise(clients(4))
+    reps = reports(4)
+    strategy.observe_reports(1, reps)
+    groups = strategy.train_groups(1, sorted(reps))
+    assert [g.members for g in groups] == [[100], [101], [102], [103]]  # plain: every client is its own group
+    assert all(g.send_back == sorted(NAMES) for g in groups)
+    updates = [local_update(i) for i in range(4)]
+    strategy.update(1, [GroupResult(g.name, updates[i], 8.0, g.members) for i, g in enumerate(groups)])
+    w = reference_weights(reps, 0.5)
+    for i in range(4):
+        for name in NAMES:
+            expected = sum(w[i, j] * updates[j][name] for j in range(4))
+            np.testing.assert_allclose(strategy.eval_arrays(100 + i)[name], expected, rtol=1e-5, atol=1e-6)
+    # same-family clients (0, 2) weigh each other more than the other family
+    assert w[0, 2] > w[0, 1] and w[0, 2] > w[0, 3]
+    assert strategy.report()["relevance_partitions"] == [0, 1, 2, 3]
+
+
+def test_routing_sends_only_salient_blocks_and_keeps_the_others():
+    strategy = SimGrad(SimGradSection(route_budget=1, mixing="uniform"), secure=False)
+    strategy.initialise(clients(3))
+    strategy.observe_reports(1, reports(3, salience=[[0.1, 5.0], [3.0, 0.2], [0.0, 1.0]]))
+    groups = strategy.train_groups(1, [100, 101, 102])
+    assert [g.config["active-blocks"] for g in groups] == ["1", "0", "1"]
+    assert all(all(n.startswith(f"block{g.config['active-blocks']}.") for n in g.send_back) for g in groups)
+    ups = [{k: v for k, v in local_update(i).items() if k in g.send_back} for i, g in enumerate(groups)]
+    strategy.update(1, [GroupResult(g.name, ups[i], 8.0, g.members) for i, g in enumerate(groups)])
+    mixed = strategy.eval_arrays(100)
+    # block 1 was sent by clients 0 and 2: their uniform mean; block 0 only by client 1
+    np.testing.assert_allclose(mixed["block1.q_proj.P"], (ups[0]["block1.q_proj.P"] + ups[2]["block1.q_proj.P"]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(mixed["block0.q_proj.P"], ups[1]["block0.q_proj.P"], rtol=1e-6)
+
+
+def test_secure_mode_groups_of_three_and_mixes_group_means():
+    strategy = SimGrad(SimGradSection(temperature=0.5, route_budget=0), secure=True)
+    strategy.initialise(clients(6))
+    reps = reports(6)
+    strategy.observe_reports(1, reps)
+    groups = strategy.train_groups(1, sorted(reps))
+    assert [g.members for g in groups] == [[100, 102, 104], [101, 103, 105]]  # the two planted families
+    updates = {100 + i: local_update(i) for i in range(6)}
+    means = [{k: np.mean([updates[m][k] for m in g.members], axis=0) for k in NAMES} for g in groups]
+    strategy.update(1, [GroupResult(g.name, means[i], 24.0, g.members) for i, g in enumerate(groups)])
+    w = reference_weights(reps, 0.5)
+    members = [[m - 100 for m in g.members] for g in groups]
+    for i in range(6):
+        wg = np.array([w[i, idx].sum() for idx in members])
+        expected = sum(wg[g] * means[g]["block0.q_proj.P"] for g in range(2))
+        np.testing.assert_allclose(strategy.eval_arrays(100 + i)["block0.q_proj.P"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_state_is_keyed_by_partition_so_a_restarted_federation_resumes():
+    strategy = SimGrad(SimGradSection(route_budget=0), secure=False)
+    strategy.initialise(clients(3))
+    strategy.observe_reports(1, reports(3))
+    groups = strategy.train_groups(1, [100, 101, 102])
+    strategy.update(1, [GroupResult(g.name, local_update(i), 8.0, g.members) for i, g in enumerate(groups)])
+    state = strategy.state_dict()
+    assert sorted(state) == ["client-0", "client-1", "client-2"]
+    restarted = SimGrad(SimGradSection(route_budget=0), secure=False)
+    new_nodes = {7 + i: ClientInfo(7 + i, i, "small", zeros()) for i in range(3)}  # new node ids, same partitions
+    restarted.initialise(new_nodes)
+    restarted.load_state_dict(state)
+    for i in range(3):
+        for k in NAMES:
+            np.testing.assert_array_equal(restarted.eval_arrays(7 + i)[k], strategy.eval_arrays(100 + i)[k])
+
+
+def test_clients_with_different_pq_shapes_are_refused():
+    bad = clients(3)
+    bad[102].initial["block0.q_proj.P"] = np.zeros((R + 1, R + 1), np.float32)
+    with pytest.raises(ValueError, match="node 102"):
+        SimGrad(SimGradSection()).initialise(bad)
