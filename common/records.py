@@ -56,12 +56,24 @@ def read_train_instruction(content: RecordDict, names: list[str]) -> tuple[dict[
     return from_array_record(content.array_records[FITINS_ARRAYS], names), dict(content.config_records[FITINS_CONFIG])
 
 
+def scalar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Lists joined by commas: SecAgg+ converts replies to legacy FitRes, whose metrics take scalars only."""
+    return {k: ",".join(str(x) for x in v) if isinstance(v, (list, tuple)) else v for k, v in metrics.items()}
+
+
+def metric_list(value: Any, kind: type = float) -> list:
+    """The inverse of ``scalar_metrics`` for one value ("0.5,0.4" -> [0.5, 0.4]); lists pass through."""
+    if isinstance(value, str):
+        return [kind(x) for x in value.split(",") if x.strip()]
+    return [kind(x) for x in value] if value is not None else []
+
+
 def train_reply(arrays: dict[str, np.ndarray], num_examples: int, metrics: dict[str, Any]) -> RecordDict:
     return RecordDict(
         {
             FITRES_ARRAYS: to_array_record(arrays),
             FITRES_NUM_EXAMPLES: MetricRecord({"num_examples": int(num_examples)}),
-            FITRES_METRICS: ConfigRecord(metrics),
+            FITRES_METRICS: ConfigRecord(scalar_metrics(metrics)),
             FITRES_STATUS: ConfigRecord({"code": 0, "message": "ok"}),
         }
     )

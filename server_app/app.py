@@ -18,7 +18,7 @@ from common.adapters.lora import save_peft_adapter
 from common.records import save_arrays
 from common.config import ConfigError, RunConfig
 from common.logs import get_logger
-from common.records import num_bytes
+from common.records import metric_list, num_bytes
 from strategies import Strategy, build_strategy
 from strategies.base import GroupResult
 
@@ -145,6 +145,7 @@ def _train_rows(results: list[GroupResult], aggregate_seconds: float) -> dict[in
                 "bytes_down": metrics.get("bytes_down", 0),
                 "accepted": nid in result.contributors,
                 **{k: metrics[k] for k in CLIENT_ADAPTER_METRICS if k in metrics},
+                **{k: metric_list(metrics[k], int if k == "active_blocks" else float) for k in ("beta", "active_blocks") if k in metrics},
             }
         rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
     return rows

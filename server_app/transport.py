@@ -1,10 +1,12 @@
 """How a group's mean reaches the server: plain sums in the clear, or Flower's SecAgg+ workflow.
 
-Both functions take a ``strategies.Group`` and return a ``strategies.GroupResult``; strategies never see which
-one ran. Plain mode validates every reply (keys, shapes, NaN/Inf, num_examples) and leaves bad ones out with a
-logged reason. Secure mode runs one ``SecAggPlusWorkflow`` for the group with a fresh ``LegacyContext`` whose
+``train_groups_plain`` (all groups' members at once) and ``train_group_secure`` (one group) return
+``strategies.GroupResult``s; strategies never see which one ran. Members receive their start adapter and return
+the group's ``send_back`` names (all of them, or the routed blocks). Plain mode validates every reply (keys,
+shapes, NaN/Inf, num_examples) and leaves bad ones out with a logged reason. Secure mode runs one ``SecAggPlusWorkflow`` for the group with a fresh ``LegacyContext`` whose
 legacy strategy only selects the group and captures the unmasked mean; clients refuse to mask a non-finite
-update, and SecAgg+ treats them as dropped.
+update, and SecAgg+ treats them as dropped. ``query_clients`` and ``collect_reports`` gather the clients'
+identities and (for SimGrad) their per-round signature reports.
 """
 
 from __future__ import annotations

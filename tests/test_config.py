@@ -39,6 +39,11 @@ def test_pyproject_defaults_validate_and_cover_every_key():
         ({"strategy": "nope"}, "strategy"),
         ({"secure": True, "min-train-replies": 2}, "min-train-replies"),
         ({"num-server-rounds": "many"}, "num-server-rounds"),
+        ({"strategy": "mira"}, "strategy"),
+        ({"strategy": "simgrad", "simgrad.route-budget": 5, "pqlora.blocks": 4}, "simgrad.route-budget"),
+        ({"simgrad.mixing": "random"}, "simgrad.mixing"),
+        ({"simgrad.keep-fraction": 0}, "simgrad.keep-fraction"),
+        ({"pqlora.r": 0}, "pqlora.r"),
     ],
 )
 def test_invalid_values_name_their_key(override, key):
@@ -53,3 +58,11 @@ def test_csv_lists_and_nesting():
     assert cfg.data.tasks == ["boolq"]
     with pytest.raises(ConfigError, match="lora"):
         RunConfig.from_flat({"lora": 3, "lora.r": 4})
+
+
+def test_simgrad_trains_pqlora_and_models_cycle_over_partitions():
+    cfg = RunConfig.from_flat({"strategy": "simgrad", "model.partition-models": "a, b", "pqlora.learning-rate": 0.02})
+    assert cfg.adapter == "pqlora" and RunConfig().adapter == "lora"
+    assert [cfg.model_for_partition(i) for i in range(4)] == ["a", "b", "a", "b"]
+    assert RunConfig().model_for_partition(3) == RunConfig().model.name
+    assert cfg.train_settings().learning_rate == 0.02 and RunConfig().train_settings().learning_rate == 1e-3

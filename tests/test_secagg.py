@@ -42,7 +42,8 @@ def run_secure_round(tmp_path, num_nodes: int, start=START, send_back=None):
         assert all(np.allclose(arrays[k], start[k]) for k in start) and config["server-round"] == 1
         assert config.get("active-blocks", "all") == ("1" if send_back else "all")  # the group's config arrives
         update, n = client_update(int(context.node_config["partition-id"]), start, send_back)
-        return Message(train_reply(update, n, {"partition-id": int(context.node_config["partition-id"])}), reply_to=msg)
+        metrics = {"partition-id": int(context.node_config["partition-id"]), "beta": [0.5, 0.4]}
+        return Message(train_reply(update, n, metrics), reply_to=msg)
 
     server = ServerApp()
 
