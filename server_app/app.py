@@ -124,6 +124,8 @@ def _train_round(grid: Grid, context: Context, cfg: RunConfig, strategy: Strateg
         for nid in result.metrics:
             result.metrics[nid].setdefault("bytes_up", num_bytes(group.reply_reference(nid)))
             result.metrics[nid]["bytes_down"] = num_bytes(group.start[nid])
+            # layerwise routing: adapter bytes a member did NOT send because its blocks were inactive
+            result.metrics[nid]["routing_bytes_saved"] = num_bytes(group.start[nid]) - num_bytes(group.reply_reference(nid))
     return results
 
 
@@ -143,6 +145,7 @@ def _train_rows(results: list[GroupResult], aggregate_seconds: float) -> dict[in
                 "tokens_per_second": metrics.get("tokens_per_second"),
                 "bytes_up": metrics.get("bytes_up", 0),
                 "bytes_down": metrics.get("bytes_down", 0),
+                "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),
                 "accepted": nid in result.contributors,
                 **{k: metrics[k] for k in CLIENT_ADAPTER_METRICS if k in metrics},
                 **{k: metric_list(metrics[k], int if k == "active_blocks" else float) for k in ("beta", "active_blocks") if k in metrics},
@@ -177,6 +180,7 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
     aggregate.update({k: (totals[k] / n if totals["n"] else None) for k in ("eval_loss", "exact_match", "rouge_l")})
     aggregate["bytes_up"] = sum(r.get("bytes_up", 0) for r in rows)
     aggregate["bytes_down"] = sum(r.get("bytes_down", 0) for r in rows)
+    aggregate["routing_bytes_saved"] = sum(r.get("routing_bytes_saved", 0) for r in rows)
     rows.append(aggregate)
     run.append_metrics(rows)
     log.info(

@@ -5,7 +5,6 @@ P/Q through Flower's SecAgg+. One round keeps CI time in check; the benchmark ru
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,6 +50,7 @@ def test_only_routed_pq_and_the_signature_travel(simgrad_run):
     for row in (r for r in rows if r["round"] == 1 and r["node"] is not None):
         assert len(row["active_blocks"]) == 2 and len(row["beta"]) == 4
         assert row["bytes_up"] - row["signature_bytes"] == PQ_BYTES_PER_ROUTED_ROUND  # not LoRA's ~1.8 MB
+        assert row["routing_bytes_saved"] == PQ_BYTES_PER_ROUTED_ROUND  # the 2 inactive blocks of 4 stayed home
         assert row["signature_bytes"] == 8 * 576 * 4  # buckets x probe width float32, the same for both models
 
 
