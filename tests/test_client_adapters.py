@@ -1,0 +1,64 @@
+"""Client-side PQ-LoRA state: one process serves several virtual clients with ONE model, so each client's local
+P/Q, gates and last global part live in its own Flower ``context.state`` and never leak into another client."""
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+
+from client_app.adapters import PQLoraAdapter
+from common.adapters.pqlora import get_pq_arrays
+from common.config import RunConfig
+from common.data import Example
+from common.model import load_base_model, load_tokenizer
+from common.training import train_round
+
+EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8)]
+
+
+def context(node_id: int) -> Context:
+    return Context(run_id=1, node_id=node_id, node_config={}, state=RecordDict(), run_config={})
+
+
+@pytest.fixture()
+def adapter(tiny_llama_dir):
+    cfg = RunConfig.from_flat({"strategy": "simgrad", "pqlora.r": 2, "pqlora.blocks": 2, "simgrad.route-budget": 1})
+    return PQLoraAdapter(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), cfg), load_tokenizer(str(tiny_llama_dir)), cfg
+
+
+def test_local_state_is_per_client_and_only_active_blocks_travel(adapter):
+    pq, tokenizer, cfg = adapter
+    alice, bob = context(1), context(2)
+    received = {k: np.full_like(v, 0.01) for k, v in pq.initial.items()}
+    pq.begin(alice, received)
+    pq.prepare_training([1])
+    train_round(pq.model, tokenizer, EXAMPLES, cfg.train_settings(), 0.05, seed=0)
+    sent, metrics = pq.outgoing([1])
+    pq.end(alice)
+    assert sorted(sent) == sorted(k for k in pq.names if k.startswith("block1."))  # routing: block 0 stays home
+    assert metrics["active_blocks"] == [1] and len(metrics["beta"]) == 2
+    assert np.abs(sent["block1.q_proj.P"]).sum() > 0
+
+    pq.begin(bob, None)  # a fresh client starts from zeros, not from alice's training
+    assert all(not np.any(v) for v in pq.outgoing(None)[0].values())
+    pq.end(bob)
+
+    pq.begin(alice, None)  # alice gets her own local P/Q and her last global part back
+    again, _ = pq.outgoing([1])
+    np.testing.assert_allclose(again["block1.q_proj.P"], sent["block1.q_proj.P"], atol=1e-6)
+    np.testing.assert_allclose(get_pq_arrays(pq.model, "global")["block0.q_proj.P"], 0.01)
+    block0 = get_pq_arrays(pq.model, "local")["block0.q_proj.P"]
+    assert not np.any(block0)  # the inactive block was not trained
+
+
+def test_alignment_reports_errors_once_a_reference_exists(adapter):
+    pq, tokenizer, cfg = adapter
+    ctx = context(3)
+    pq.begin(ctx, None)
+    pq.prepare_training(None)
+    train_round(pq.model, tokenizer, EXAMPLES, cfg.train_settings(), 0.05, seed=0)
+    _, first = pq.outgoing(None)
+    assert "align_error_before" not in first  # round 1: the global part is still zero, nothing to align to
+    rng = np.random.default_rng(0)
+    pq.begin(ctx, {k: rng.normal(size=v.shape).astype(np.float32) for k, v in pq.initial.items()})
+    _, later = pq.outgoing(None)
+    assert later["align_error_after"] <= later["align_error_before"]
