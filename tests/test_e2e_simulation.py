@@ -95,14 +95,16 @@ def test_resume_continues_after_the_last_completed_round(plain_run, flwr_home):
 
 def test_fedavg_secure_matches_plain(plain_run, flwr_home, tmp_path):
     run_dir = tmp_path / "secure"
-    proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=2 secure=true min-train-replies=3 run-dir='{run_dir}'")
+    # One round (CI time): the plain run's round 1 used the same seeds, data and learning rate (num-server-rounds
+    # only shapes the cosine decay, which starts at the full rate in round 1 either way).
+    proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=1 secure=true min-train-replies=3 run-dir='{run_dir}'")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SecAgg+" in proc.stdout + proc.stderr
     rows = read_metrics(run_dir)
-    assert_every_client_improved(rows, 2)
-    # Same seeds, same data: the secure run's round-2 evaluation matches the plain run's up to quantisation noise.
-    plain = {r["partition_id"]: r["eval_loss"] for r in per_node(read_metrics(plain_run[0]), 2).values()}
-    secure = {r["partition_id"]: r["eval_loss"] for r in per_node(rows, 2).values()}
+    assert_every_client_improved(rows, 1)
+    # Same seeds, same data: the secure run's round-1 evaluation matches the plain run's up to quantisation noise.
+    plain = {r["partition_id"]: r["eval_loss"] for r in per_node(read_metrics(plain_run[0]), 1).values()}
+    secure = {r["partition_id"]: r["eval_loss"] for r in per_node(rows, 1).values()}
     assert plain.keys() == secure.keys()
     for pid in plain:
         assert abs(plain[pid] - secure[pid]) < 0.02, (pid, plain[pid], secure[pid])
