@@ -85,7 +85,8 @@ class SimGrad(Strategy):
         return len({block_of(n) for n in self.names})
 
     def observe_reports(self, server_round: int, reports: dict[int, ClientReport]) -> None:
-        self.nodes = sorted(nid for nid in reports if nid in self.partition_of)
+        # matrix order = partition order, so heatmaps and metrics read the same across runs (node ids are random)
+        self.nodes = sorted((nid for nid in reports if nid in self.partition_of), key=lambda nid: self.partition_of[nid])
         if not self.nodes:
             self.scores = self.weights = np.zeros((0, 0))
             self.groups, self.active = [], []
