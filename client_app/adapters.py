@@ -89,7 +89,7 @@ class PQLoraAdapter:
             reset_local_state(self.model)
         if received is None and GLOBAL_STATE in context.state:
             received = from_array_record(context.state.array_records[GLOBAL_STATE])
-        set_pq_arrays(self.model, received if received is not None else {k: np.zeros_like(v) for k, v in self.initial.items()}, part="global")
+        set_pq_arrays(self.model, received if received is not None else self.initial, part="global")  # initial: zeros
 
     def prepare_training(self, active: list[int] | None) -> None:
         set_trainable_blocks(self.model, active)

@@ -1,7 +1,7 @@
 """The ServerApp: validate the run config, drive rounds, evaluate, write metrics, checkpoint, resume, save.
 
-Each round: strategies that ask get every client's signature report; the strategy names its groups; every group's mean arrives through the plain or the SecAgg+ transport;
-the strategy folds the means in; every node evaluates the adapter it will use; one metrics row per node plus an
+Each round: strategies that ask get every client's signature report; the strategy names its groups; every
+group's mean arrives through the plain or the SecAgg+ transport; the strategy folds the means in; every node evaluates the adapter it will use; one metrics row per node plus an
 aggregate row go to ``metrics.jsonl``; the server state is checkpointed. Round 0 is the evaluation before any
 training. With ``resume=true`` a restarted run continues after its last completed round.
 """
@@ -15,10 +15,9 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from common.adapters.lora import save_peft_adapter
-from common.records import save_arrays
 from common.config import ConfigError, RunConfig
 from common.logs import get_logger
-from common.records import metric_list, num_bytes
+from common.records import metric_list, num_bytes, save_arrays
 from strategies import Strategy, build_strategy
 from strategies.base import GroupResult
 
@@ -122,15 +121,18 @@ def _train_round(grid: Grid, context: Context, cfg: RunConfig, strategy: Strateg
         results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout)
     for group, result in zip(groups, results):
         for nid in result.metrics:
-            result.metrics[nid].setdefault("bytes_up", num_bytes(group.reply_reference(nid)))
-            result.metrics[nid]["bytes_down"] = num_bytes(group.start[nid])
+            sent, received = num_bytes(group.reply_reference(nid)), num_bytes(group.start[nid])
+            result.metrics[nid].setdefault("bytes_up", sent)
+            result.metrics[nid]["bytes_down"] = received
             # layerwise routing: adapter bytes a member did NOT send because its blocks were inactive
-            result.metrics[nid]["routing_bytes_saved"] = num_bytes(group.start[nid]) - num_bytes(group.reply_reference(nid))
+            result.metrics[nid]["routing_bytes_saved"] = received - sent
     return results
 
 
-# What PQ-LoRA clients add to their train metrics (gates, routing, alignment), copied into the per-node rows.
-CLIENT_ADAPTER_METRICS = ("beta", "active_blocks", "align_error_before", "align_error_after")
+# What PQ-LoRA clients add to their train metrics, copied into the per-node rows: alignment errors as they are,
+# gates and active blocks as lists (they travel comma-joined, see ``common.records.scalar_metrics``).
+CLIENT_ADAPTER_METRICS = ("align_error_before", "align_error_after")
+CLIENT_ADAPTER_LISTS = {"beta": float, "active_blocks": int}
 
 
 def _train_rows(results: list[GroupResult], aggregate_seconds: float) -> dict[int | None, dict[str, Any]]:
@@ -148,7 +150,7 @@ def _train_rows(results: list[GroupResult], aggregate_seconds: float) -> dict[in
                 "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),
                 "accepted": nid in result.contributors,
                 **{k: metrics[k] for k in CLIENT_ADAPTER_METRICS if k in metrics},
-                **{k: metric_list(metrics[k], int if k == "active_blocks" else float) for k in ("beta", "active_blocks") if k in metrics},
+                **{k: metric_list(metrics[k], kind) for k, kind in CLIENT_ADAPTER_LISTS.items() if k in metrics},
             }
         rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
     return rows

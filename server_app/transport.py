@@ -3,9 +3,9 @@
 ``train_groups_plain`` (all groups' members at once) and ``train_group_secure`` (one group) return
 ``strategies.GroupResult``s; strategies never see which one ran. Members receive their start adapter and return
 the group's ``send_back`` names (all of them, or the routed blocks). Plain mode validates every reply (keys,
-shapes, NaN/Inf, num_examples) and leaves bad ones out with a logged reason. Secure mode runs one ``SecAggPlusWorkflow`` for the group with a fresh ``LegacyContext`` whose
-legacy strategy only selects the group and captures the unmasked mean; clients refuse to mask a non-finite
-update, and SecAgg+ treats them as dropped. ``query_clients`` and ``collect_reports`` gather the clients'
+shapes, NaN/Inf, num_examples) and leaves bad ones out with a logged reason. Secure mode runs one
+``SecAggPlusWorkflow`` for the group with a fresh ``LegacyContext`` whose legacy strategy only selects the group
+and captures the unmasked mean; clients refuse to mask a non-finite update, and SecAgg+ treats them as dropped. ``query_clients`` and ``collect_reports`` gather the clients'
 identities and (for SimGrad) their per-round signature reports.
 """
 
@@ -49,6 +49,13 @@ def _send(grid, messages: list[Message], timeout: float) -> dict[int, Message | 
     return out
 
 
+def _content(reply: Message | str) -> RecordDict:
+    """A reply's content, or ReplyError with the reason ``_send`` gave for the missing reply."""
+    if isinstance(reply, str):
+        raise ReplyError(reply)
+    return reply.content
+
+
 def _short_reason(reason: str, limit: int = 400) -> str:
     """The client's own exception message, without the Ray / Flower traceback wrapped around it."""
     marker = "Message: "
@@ -59,10 +66,9 @@ def _short_reason(reason: str, limit: int = 400) -> str:
 
 def train_groups_plain(grid, server_round: int, groups: list[Group], config: dict[str, Any], timeout: float) -> list[GroupResult]:
     """Train every member of every group at once; return each group's example-weighted mean of its valid replies."""
-    messages, group_of = [], {}
+    messages = []
     for group in groups:
         for nid in group.members:
-            group_of[nid] = group
             instruction = train_instruction(group.start[nid], {**config, **group.config})
             messages.append(Message(instruction, dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round)))
     replies = _send(grid, messages, timeout)
@@ -72,10 +78,7 @@ def train_groups_plain(grid, server_round: int, groups: list[Group], config: dic
         updates, weights = [], []
         for nid in group.members:
             try:
-                reply = replies[nid]
-                if isinstance(reply, str):
-                    raise ReplyError(reply)
-                arrays, n, metrics = read_train_reply(reply.content, group.reply_reference(nid))
+                arrays, n, metrics = read_train_reply(_content(replies[nid]), group.reply_reference(nid))
             except (ReplyError, KeyError, TypeError, ValueError) as err:
                 result.rejected[nid] = str(err)
                 log.warning("round %d group %s: reply from node %d rejected: %s", server_round, group.name, nid, err)
@@ -173,9 +176,7 @@ def evaluate_nodes(grid, server_round: int, arrays_by_node: dict[int, Arrays], c
     out: dict[int, dict | str] = {}
     for nid, reply in _send(grid, messages, timeout).items():
         try:
-            if isinstance(reply, str):
-                raise ReplyError(reply)
-            out[nid] = read_metrics(reply.content)
+            out[nid] = read_metrics(_content(reply))
         except (ReplyError, KeyError, TypeError) as err:
             out[nid] = str(err)
             log.warning("round %d: evaluation by node %d failed: %s", server_round, nid, err)
@@ -188,9 +189,7 @@ def query_clients(grid, node_ids: list[int], timeout: float) -> dict[int, Client
     clients: dict[int, ClientInfo] = {}
     for nid, reply in _send(grid, messages, timeout).items():
         try:
-            if isinstance(reply, str):
-                raise ReplyError(reply)
-            arrays, identity = read_initial_reply(reply.content)
+            arrays, identity = read_initial_reply(_content(reply))
             clients[nid] = ClientInfo(nid, int(identity.get("partition-id", nid)), str(identity.get("model", "?")), arrays)
         except (ReplyError, KeyError, TypeError, ValueError) as err:
             log.warning("node %d gave no initial adapter: %s", nid, err)
@@ -209,9 +208,7 @@ def collect_reports(grid, server_round: int, node_ids: list[int], num_blocks: in
     rejected: dict[int, str] = {}
     for nid, reply in _send(grid, messages, timeout).items():
         try:
-            if isinstance(reply, str):
-                raise ReplyError(reply)
-            signature, salience, _ = read_report_reply(reply.content, num_blocks)
+            signature, salience, _ = read_report_reply(_content(reply), num_blocks)
             reports[nid] = ClientReport(signature, salience)
         except (ReplyError, KeyError, TypeError, ValueError) as err:
             rejected[nid] = str(err)

@@ -80,10 +80,6 @@ class SimGrad(Strategy):
             self.global_by_partition.setdefault(info.partition_id, {k: v.copy() for k, v in info.initial.items()})
         self.names = sorted(reference)
 
-    @property
-    def num_blocks(self) -> int:
-        return len({block_of(n) for n in self.names})
-
     def observe_reports(self, server_round: int, reports: dict[int, ClientReport]) -> None:
         # matrix order = partition order, so heatmaps and metrics read the same across runs (node ids are random)
         self.nodes = sorted((nid for nid in reports if nid in self.partition_of), key=lambda nid: self.partition_of[nid])

@@ -32,6 +32,15 @@ def local_update(i: int) -> dict:
     return {k: rng.normal(size=v.shape).astype(np.float32) for k, v in zeros().items()}
 
 
+def first_round(n: int, secure: bool, **cfg) -> tuple[SimGrad, dict[int, ClientReport], list]:
+    """A strategy over ``n`` clients that has seen its round-1 reports, and its round-1 groups."""
+    strategy = SimGrad(SimGradSection(**cfg), secure=secure)
+    strategy.initialise(clients(n))
+    reps = reports(n)
+    strategy.observe_reports(1, reps)
+    return strategy, reps, strategy.train_groups(1, sorted(reps))
+
+
 def reference_weights(reps: dict[int, ClientReport], tau: float) -> np.ndarray:
     sig = np.stack([reps[n].signature for n in sorted(reps)])
     unit = sig / np.linalg.norm(sig, axis=1, keepdims=True)
@@ -41,11 +50,7 @@ def reference_weights(reps: dict[int, ClientReport], tau: float) -> np.ndarray:
 
 
 def test_plain_mode_gives_every_client_its_exact_relevance_weighted_mix():
-    strategy = SimGrad(SimGradSection(temperature=0.5, route_budget=0), secure=False)
-    strategy.initialise(clients(4))
-    reps = reports(4)
-    strategy.observe_reports(1, reps)
-    groups = strategy.train_groups(1, sorted(reps))
+    strategy, reps, groups = first_round(4, secure=False, temperature=0.5, route_budget=0)
     assert [g.members for g in groups] == [[100], [101], [102], [103]]  # plain: every client is its own group
     assert all(g.send_back == sorted(NAMES) for g in groups)
     updates = [local_update(i) for i in range(4)]
@@ -76,11 +81,7 @@ def test_routing_sends_only_salient_blocks_and_keeps_the_others():
 
 
 def test_secure_mode_groups_of_three_and_mixes_group_means():
-    strategy = SimGrad(SimGradSection(temperature=0.5, route_budget=0), secure=True)
-    strategy.initialise(clients(6))
-    reps = reports(6)
-    strategy.observe_reports(1, reps)
-    groups = strategy.train_groups(1, sorted(reps))
+    strategy, reps, groups = first_round(6, secure=True, temperature=0.5, route_budget=0)
     assert [g.members for g in groups] == [[100, 102, 104], [101, 103, 105]]  # the two planted families
     updates = {100 + i: local_update(i) for i in range(6)}
     means = [{k: np.mean([updates[m][k] for m in g.members], axis=0) for k in NAMES} for g in groups]
@@ -94,10 +95,7 @@ def test_secure_mode_groups_of_three_and_mixes_group_means():
 
 
 def test_state_is_keyed_by_partition_so_a_restarted_federation_resumes():
-    strategy = SimGrad(SimGradSection(route_budget=0), secure=False)
-    strategy.initialise(clients(3))
-    strategy.observe_reports(1, reports(3))
-    groups = strategy.train_groups(1, [100, 101, 102])
+    strategy, _, groups = first_round(3, secure=False, route_budget=0)
     strategy.update(1, [GroupResult(g.name, local_update(i), 8.0, g.members) for i, g in enumerate(groups)])
     state = strategy.state_dict()
     assert sorted(state) == ["client-0", "client-1", "client-2"]
