@@ -29,6 +29,12 @@ _PROBES: dict[tuple, tuple[Any, Any]] = {}  # frozen probe models for signatures
 _DATA: dict[tuple, tuple[list[Example], list[Example]]] = {}
 model_loads = 0
 model_load_seconds = 0.0
+# This message's start-up: seconds before the handler ran (a fresh ClientApp process) + until its model was ready.
+_startup = {"spawn": 0.0, "began": 0.0, "ready": 0.0}
+
+
+def begin_message(spawn_seconds: float) -> None:
+    _startup.update(spawn=spawn_seconds, began=time.perf_counter(), ready=0.0)
 
 
 @dataclass
@@ -75,6 +81,7 @@ class ClientRuntime:
             "model-loads": model_loads,
             "model-load-seconds": model_load_seconds,
             "peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "startup-seconds": _startup["spawn"] + _startup["ready"],
         }
 
 
@@ -93,6 +100,8 @@ def get_runtime(context: Context) -> ClientRuntime:
     if data_key not in _DATA:
         _DATA[data_key] = client_data(cfg.data, partition_id, num_partitions, cfg.seed)
     train, test = _DATA[data_key]
+    if _startup["began"]:
+        _startup["ready"] = time.perf_counter() - _startup["began"]
     return ClientRuntime(cfg, adapter, tokenizer, partition_id, model_name, train, test)
 
 

@@ -1,0 +1,231 @@
+"""A long-lived worker per SuperNode that keeps the 4-bit model loaded between messages (deployment).
+
+In deployment Flower starts a fresh ``flwr-clientapp`` process for every message: importing torch/transformers
+and loading + quantising the base model would be paid every round by every node. Instead, the ClientApp process
+(``app.py``) stays thin (Flower, numpy, no torch) and hands each message to this worker over a Unix socket; the
+worker runs ``handlers.handle`` with the model it already holds and returns the reply and the client's state.
+
+- One worker per node and app version: its socket lives in a 0700 directory named after the process that
+  launches ClientApps (the SuperNode's SuperExec) and its file is named after the app's code directory, so a new
+  FAB gets a new worker (older ones of the same node are told to stop).
+- The first message starts it (``ensure_worker``, under a file lock); it exits when that launcher process is
+  gone (the SuperNode stopped or was killed), after ``worker-idle-timeout`` seconds without messages, or when
+  told to stop.
+- Messages and contexts travel as Flower's own protobufs; the client's state (``context.state``) lives in the
+  Context Flower keeps, as in simulation: the worker gets it with each message and returns the keys it owns.
+- A handler that raises in the worker raises in the ClientApp with the same message (Flower then sends an error
+  reply and the server leaves the node out of the round). A worker that dies mid-message fails that message;
+  the next one starts a new worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+
+from flwr.app import Context, Message
+
+APP_DIR = Path(__file__).resolve().parents[1]
+# context.state keys the app owns (client adapter state); others (e.g. SecAgg+'s) stay with the ClientApp process
+STATE_PREFIXES = ("pqlora.", "simgrad.")
+START_TIMEOUT = 300.0
+
+
+class WorkerError(RuntimeError):
+    """A handler failed in the worker, or the worker could not be reached."""
+
+
+def socket_path(launcher_pid: int, app_dir: Path = APP_DIR) -> Path:
+    """Where the worker for this launcher (SuperExec) process and app version listens."""
+    import hashlib
+
+    base = Path(os.environ.get("TESSERA_WORKER_DIR", "/tmp")) / f"tessera-workers-{os.getuid()}" / str(launcher_pid)
+    sock = base / f"{hashlib.sha1(str(app_dir).encode()).hexdigest()[:16]}.sock"
+    if len(str(sock)) > 100:  # the AF_UNIX limit is 108 bytes
+        raise WorkerError(f"worker socket path too long for a Unix socket ({sock}); set TESSERA_WORKER_DIR to a short directory")
+    return sock
+
+
+def _authkey(sock: Path) -> bytes:
+    return sock.with_suffix(".key").read_bytes()
+
+
+def _connect(sock: Path, timeout: float) -> Connection:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Client(str(sock), family="AF_UNIX", authkey=_authkey(sock))
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def ensure_worker(launcher_pid: int, idle_timeout: float) -> Path:
+    """The socket of a running worker for this node, starting one if there is none."""
+    sock = socket_path(launcher_pid)
+    sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(sock.parent / "spawn.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent ClientApps of one node start one worker
+        if _listening(sock):
+            return sock
+        _stop_other_workers(sock)
+        sock.unlink(missing_ok=True)
+        key = sock.with_suffix(".key")
+        key.touch(mode=0o600)
+        key.write_bytes(secrets.token_bytes(32))
+        cmd = [sys.executable, "-m", "client_app.worker", "--socket", str(sock), "--watch-pid", str(launcher_pid),
+               "--idle-timeout", str(idle_timeout)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(APP_DIR), os.environ.get("PYTHONPATH", "")])}
+        # its own session: stopping the ClientApp's process group must not stop it; it watches the launcher instead
+        proc = subprocess.Popen(cmd, cwd=APP_DIR, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not _listening(sock):
+            if proc.poll() is not None:
+                raise WorkerError(f"the model worker exited with code {proc.returncode} before serving (its log is the SuperNode's)")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise WorkerError(f"the model worker did not listen on {sock} within {START_TIMEOUT:.0f}s")
+            time.sleep(0.2)
+        return sock
+
+
+def _listening(sock: Path) -> bool:
+    """Whether a worker accepts connections on ``sock`` (a bare connect: it does not wait for a busy worker)."""
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def _stop_other_workers(keep: Path) -> None:
+    """One worker per node: workers of older app versions give their memory back."""
+    for other in keep.parent.glob("*.sock"):
+        if other != keep and _listening(other):
+            try:
+                with _connect(other, timeout=0) as conn:
+                    conn.send(("stop",))
+            except (OSError, EOFError, AuthenticationError):
+                pass
+
+
+def call(sock: Path, kind: str, msg: Message, context: Context, spawn_seconds: float) -> Message:
+    """Run ``kind``'s handler in the worker; update ``context.state`` with the app's keys; return the reply."""
+    from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
+
+    request = ("handle", kind, message_to_proto(msg).SerializeToString(), context_to_proto(context).SerializeToString(), spawn_seconds)
+    try:
+        with _connect(sock, timeout=10) as conn:
+            conn.send(request)
+            answer = conn.recv()
+    except (OSError, EOFError) as err:
+        raise WorkerError(f"the node's model worker ({sock}) went away during '{kind}': {err!r}") from err
+    if answer[0] == "error":
+        raise WorkerError(answer[1])
+    from flwr.proto.message_pb2 import Context as ProtoContext
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+
+    reply = message_from_proto(ProtoMessage.FromString(answer[1]))
+    state = context_from_proto(ProtoContext.FromString(answer[2])).state
+    for key in [k for k in context.state if k.startswith(STATE_PREFIXES)]:
+        del context.state[key]
+    for key in [k for k in state if k.startswith(STATE_PREFIXES)]:
+        context.state[key] = state[key]
+    return reply
+
+
+# ---------------------------------------------------------------------------------------------------- worker side
+def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
+    from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
+    from flwr.proto.message_pb2 import Context as ProtoContext
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+
+    from common.logs import get_logger
+
+    from .handlers import handle
+
+    log = get_logger("tessera.worker")
+    activity = {"last": time.monotonic(), "busy": False}
+    _exit_when(lambda: not _alive(watch_pid), f"launcher process {watch_pid} is gone", sock)
+    _exit_when(lambda: not activity["busy"] and time.monotonic() - activity["last"] > idle_timeout, f"idle for {idle_timeout:.0f}s", sock)
+    listener = Listener(str(sock), family="AF_UNIX", authkey=_authkey(sock))
+    log.info("model worker %d serving %s (app %s)", os.getpid(), sock, APP_DIR)
+    while True:
+        try:
+            conn = listener.accept()
+            request = conn.recv()
+        except (EOFError, OSError, AuthenticationError):  # a liveness probe, or a ClientApp that left
+            continue
+        with conn:
+            if request[0] == "stop":
+                log.info("model worker %d: stopping (a newer app version has its own worker)", os.getpid())
+                _cleanup(sock)
+                os._exit(0)
+            _, kind, msg_bytes, ctx_bytes, spawn_seconds = request
+            activity["busy"] = True
+            try:
+                context = context_from_proto(ProtoContext.FromString(ctx_bytes))
+                reply = handle(kind, message_from_proto(ProtoMessage.FromString(msg_bytes)), context, spawn_seconds)
+                answer = ("ok", message_to_proto(reply).SerializeToString(), context_to_proto(context).SerializeToString())
+            except Exception as err:  # the ClientApp raises it; the worker keeps serving
+                log.error("model worker: '%s' failed:\n%s", kind, traceback.format_exc())
+                answer = ("error", f"{type(err).__name__}: {err}")
+            activity.update(last=time.monotonic(), busy=False)
+            try:
+                conn.send(answer)
+            except OSError:
+                log.warning("model worker: the ClientApp left before its '%s' reply", kind)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit_when(condition, why: str, sock: Path, every: float = 1.0) -> None:
+    def watch() -> None:
+        while not condition():
+            time.sleep(every)
+        print(f"[tessera] model worker {os.getpid()}: exiting, {why}", flush=True)
+        _cleanup(sock)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _cleanup(sock: Path) -> None:
+    for path in (sock, sock.with_suffix(".key")):
+        path.unlink(missing_ok=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--watch-pid", type=int, required=True, help="exit when this process is gone")
+    parser.add_argument("--idle-timeout", type=float, default=1800.0)
+    args = parser.parse_args()
+    serve(args.socket, args.watch_pid, args.idle_timeout)
+
+
+if __name__ == "__main__":
+    main()

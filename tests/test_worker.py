@@ -1,0 +1,111 @@
+"""The per-node model worker (deployment): a real worker process serving the real handlers with a tiny random
+model. It keeps the model across messages, carries the client's state both ways, reports handler errors without
+dying, and exits when the process that launches ClientApps is gone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
+
+from client_app import app, worker
+from common.records import QUERY_INITIAL, eval_instruction, query_instruction, read_initial_reply, read_metrics, read_train_reply, train_instruction
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Flower's Message needs the run/node identity that a real ClientApp process has."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    """A stand-in for the SuperExec: the process whose death must stop the worker."""
+    import tempfile
+
+    monkeypatch.setenv("TESSERA_WORKER_DIR", tempfile.mkdtemp(prefix="tw"))  # short: Unix socket paths are <108 bytes
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def run_config(tiny_llama_dir, tmp_path, **extra) -> dict:
+    return {
+        "model.name": str(tiny_llama_dir), "model.quantization": "fp32", "model.device": "cpu",
+        "train.local-steps": 1, "train.batch-size": 1, "eval.max-examples": 1, "eval.max-new-tokens": 2,
+        "run-dir": str(tmp_path / "run"), **extra,
+    }
+
+
+def message(content: RecordDict, kind: str) -> Message:
+    msg = Message(content, dst_node_id=7, message_type=kind)
+    msg.metadata.__dict__["_message_id"] = msg.object_id  # as delivered: it has an id to reply to
+    return msg
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_worker_keeps_the_model_and_the_client_state(tiny_llama_dir, tmp_path, launcher):
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
+                      run_config=run_config(tiny_llama_dir, tmp_path, strategy="simgrad", **{"pqlora.blocks": 2}))
+    context.state["secaggplus.mine"] = ArrayRecord()  # not the app's: must stay as it is
+    sock = worker.ensure_worker(launcher.pid, idle_timeout=120)
+    assert worker.ensure_worker(launcher.pid, idle_timeout=120) == sock  # the running worker is found, not doubled
+
+    reply = worker.call(sock, "query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context, 1.5)
+    initial, identity = read_initial_reply(reply.content)
+    assert identity["pid"] != subprocess.os.getpid() and identity["model-loads"] == 1
+    assert identity["startup-seconds"] >= 1.5  # this process's age plus the worker's model start-up
+
+    start = {k: v + 0.01 for k, v in initial.items()}
+    train_msg = message(train_instruction(start, {"server-round": 1, "num-server-rounds": 2}), MessageType.TRAIN)
+    reply = worker.call(sock, "train", train_msg, context, 0.0)
+    update, n, metrics = read_train_reply(reply.content, initial)
+    assert n >= 1 and np.isfinite(metrics["train_loss"])
+    assert metrics["pid"] == identity["pid"] and metrics["model-loads"] == 1  # the same process, the model loaded once
+    # PQ-LoRA's client-local state came back into Flower's context; other keys were left alone
+    assert {"pqlora.local", "pqlora.global"} <= set(context.state) and "secaggplus.mine" in context.state
+    local_after_train = dict(context.state["pqlora.local"])
+
+    reply = worker.call(sock, "evaluate", message(eval_instruction(update | {k: v for k, v in start.items() if k not in update}, {"server-round": 1}), MessageType.EVALUATE), context, 0.0)
+    assert np.isfinite(read_metrics(reply.content)["eval_loss"])
+    assert set(context.state["pqlora.local"]) == set(local_after_train)
+
+
+def test_handler_errors_reach_the_clientapp_and_the_worker_keeps_serving(tiny_llama_dir, tmp_path, launcher):
+    context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config=run_config(tiny_llama_dir, tmp_path))
+    sock = worker.ensure_worker(launcher.pid, idle_timeout=120)
+    with pytest.raises(worker.WorkerError, match="unknown query 'nonsense'"):
+        worker.call(sock, "query", message(query_instruction("nonsense"), MessageType.QUERY), context, 0.0)
+    reply = worker.call(sock, "query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context, 0.0)
+    assert read_initial_reply(reply.content)[0]
+
+
+def test_worker_exits_when_its_launcher_is_gone(tiny_llama_dir, tmp_path, launcher):
+    sock = worker.ensure_worker(launcher.pid, idle_timeout=120)
+    assert worker._listening(sock)
+    launcher.kill()
+    launcher.wait()
+    assert wait_until(lambda: not sock.exists(), timeout=20), "the worker outlived its SuperExec"
+
+
+def test_worker_mode_is_validated_and_auto_means_deployment_only():
+    with pytest.raises(ValueError, match="node-config worker"):
+        app.use_worker({"worker": "sometimes"})
+    assert app.use_worker({"worker": "on"}) and not app.use_worker({"worker": "off"})
+    assert not app.use_worker({})  # pytest is not a per-message flwr-clientapp process
