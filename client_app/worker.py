@@ -178,6 +178,7 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
                 os._exit(0)
             _, kind, msg_bytes, ctx_bytes, spawn_seconds = request
             activity["busy"] = True
+            log.info("model worker: '%s' (its ClientApp process took %.1fs to hand it over)", kind, spawn_seconds)
             try:
                 context = context_from_proto(ProtoContext.FromString(ctx_bytes))
                 reply = handle(kind, message_from_proto(ProtoMessage.FromString(msg_bytes)), context, spawn_seconds)

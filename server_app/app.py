@@ -65,7 +65,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
         started = time.perf_counter()
-        node_ids = sorted(grid.get_node_ids()) or node_ids
+        node_ids = _admit_new_nodes(grid, cfg, strategy, clients, sorted(grid.get_node_ids()) or node_ids)
         report_rows = _collect_reports(grid, cfg, strategy, server_round, node_ids) if strategy.wants_reports else {}
         results = _train_round(grid, context, cfg, strategy, server_round, node_ids)
         accepted = sum(len(r.contributors) for r in results)
@@ -94,6 +94,21 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     log.info("done. metrics: %s | plot: %s | adapter: %s", run.metrics_path, plot, ", ".join(str(a) for a in adapters))
     print(f"[tessera] metrics: {run.metrics_path}\n[tessera] plot: {plot}\n[tessera] adapter: {', '.join(str(a) for a in adapters)}", flush=True)
     return run
+
+
+def _admit_new_nodes(grid: Grid, cfg: RunConfig, strategy: Strategy, clients: dict, connected: list[int]) -> list[int]:
+    """This round's nodes: the connected ones the strategy knows. Nodes that connected since (a restarted
+    SuperNode comes back with a new node id) are asked for their identity and added to the strategy first."""
+    new = [nid for nid in connected if nid not in clients]
+    joined = query_clients(grid, new, cfg.round_timeout, required=False) if new else {}
+    if joined:
+        try:
+            strategy.initialise(joined)
+            clients.update(joined)
+            log.info("nodes joined: %s", {nid: f"partition {c.partition_id}, {c.model}" for nid, c in sorted(joined.items())})
+        except ValueError as err:
+            log.warning("nodes %s left out: %s", sorted(joined), err)
+    return [nid for nid in connected if nid in clients]
 
 
 def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:
@@ -169,7 +184,7 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
         row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
         if isinstance(metrics, dict):
             row.update({k: metrics.get(k) for k in ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")})
-            row.update({k.replace("-", "_"): metrics.get(k) for k in ("partition-id", "tasks", "model", "pid", "model-loads", "model-load-seconds", "peak-rss-mb")})
+            row.update({k.replace("-", "_"): metrics.get(k) for k in ("partition-id", "tasks", "model", "pid", "model-loads", "model-load-seconds", "peak-rss-mb", "startup-seconds")})
             n = int(metrics.get("eval_examples", 0))
             for key in ("eval_loss", "exact_match", "rouge_l"):
                 totals[key] += float(metrics[key]) * n

@@ -2,7 +2,7 @@
 
 Layout of ``<run-dir>``:
 - ``metrics.jsonl`` — one object per round and node (``node`` null for the aggregate row).
-- ``checkpoint/state.npz`` + ``checkpoint/state.json`` — written atomically after every completed round.
+- ``checkpoint/state.json`` + the ``checkpoint/state-<round>.npz`` it names — written atomically after every completed round.
 - ``eval_loss.png`` — per-client eval loss per round.
 - ``adapter/`` (or ``adapters/<name>/``) — PEFT adapter directories loadable by ``PeftModel.from_pretrained``.
 """
@@ -56,13 +56,18 @@ class RunDirectory:
     def save_checkpoint(self, server_round: int, strategy_name: str, state: dict[str, Arrays], meta: dict[str, Any]) -> None:
         self.checkpoint_dir.mkdir(exist_ok=True)
         flat = {f"{group}/{key}": value for group, arrays in state.items() for key, value in arrays.items()}
+        arrays_name = f"state-{server_round:05d}.npz"
         tmp_npz = self.checkpoint_dir / "state.tmp.npz"
         np.savez(tmp_npz, **flat)
         tmp_json = self.checkpoint_dir / "state.tmp.json"
-        tmp_json.write_text(json.dumps({"round": server_round, "strategy": strategy_name, **meta}, indent=2))
-        # arrays first, then the json that points at them: a crash in between leaves the previous round valid
-        os.replace(tmp_npz, self.checkpoint_dir / "state.npz")
+        tmp_json.write_text(json.dumps({"round": server_round, "strategy": strategy_name, "arrays": arrays_name, **meta}, indent=2))
+        # this round's arrays under their own name, then the json that points at them: a crash at any point leaves
+        # a json whose arrays are the ones it names (the previous round's until the json is replaced)
+        os.replace(tmp_npz, self.checkpoint_dir / arrays_name)
         os.replace(tmp_json, self.checkpoint_dir / "state.json")
+        for old in self.checkpoint_dir.glob("state-*.npz"):
+            if old.name != arrays_name:
+                old.unlink()
 
     def load_checkpoint(self) -> tuple[dict[str, Any], dict[str, Arrays]] | None:
         meta_path = self.checkpoint_dir / "state.json"
@@ -70,7 +75,7 @@ class RunDirectory:
             return None
         meta = json.loads(meta_path.read_text())
         state: dict[str, Arrays] = {}
-        with np.load(self.checkpoint_dir / "state.npz") as data:
+        with np.load(self.checkpoint_dir / meta.get("arrays", "state.npz")) as data:
             for flat_key in data.files:
                 group, key = flat_key.split("/", 1)
                 state.setdefault(group, {})[key] = data[flat_key]

@@ -183,8 +183,9 @@ def evaluate_nodes(grid, server_round: int, arrays_by_node: dict[int, Arrays], c
     return out
 
 
-def query_clients(grid, node_ids: list[int], timeout: float) -> dict[int, ClientInfo]:
-    """Ask every node for its initial adapter and identity (partition id, base model); nodes that fail are left out."""
+def query_clients(grid, node_ids: list[int], timeout: float, required: bool = True) -> dict[int, ClientInfo]:
+    """Ask every node for its initial adapter and identity (partition id, base model); nodes that fail are left out
+    (with ``required``, at least one must answer)."""
     messages = [Message(query_instruction(QUERY_INITIAL), dst_node_id=nid, message_type=MessageType.QUERY) for nid in node_ids]
     clients: dict[int, ClientInfo] = {}
     for nid, reply in _send(grid, messages, timeout).items():
@@ -193,7 +194,7 @@ def query_clients(grid, node_ids: list[int], timeout: float) -> dict[int, Client
             clients[nid] = ClientInfo(nid, int(identity.get("partition-id", nid)), str(identity.get("model", "?")), arrays)
         except (ReplyError, KeyError, TypeError, ValueError) as err:
             log.warning("node %d gave no initial adapter: %s", nid, err)
-    if not clients:
+    if required and not clients:
         raise RuntimeError("no client returned an initial adapter")
     return clients
 

@@ -101,7 +101,8 @@ class Strategy(ABC):
 
     @abstractmethod
     def initialise(self, clients: dict[int, ClientInfo]) -> None:
-        """Set the state before round 1 from the connected clients (node id -> info)."""
+        """Add clients (node id -> info): those connected before round 1, and later any node that joins (a restarted
+        SuperNode has a new node id). Raises ValueError if they cannot take part (e.g. incompatible adapters)."""
 
     def observe_reports(self, server_round: int, reports: dict[int, ClientReport]) -> None:
         """Receive this round's valid client reports (only called when ``wants_reports``)."""

@@ -61,6 +61,7 @@ class SimGrad(Strategy):
         self.model_of: dict[int, str] = {}
         self.global_by_partition: dict[int, Arrays] = {}
         self.names: list[str] = []
+        self._shapes: dict[str, tuple] = {}  # the P/Q names and shapes every client must have
         self.nodes: list[int] = []  # this round's clients with a valid report, in matrix order
         self.scores = np.zeros((0, 0))
         self.weights = np.zeros((0, 0))
@@ -70,7 +71,7 @@ class SimGrad(Strategy):
     # ------------------------------------------------------------------------------------------------------
     def initialise(self, clients: dict[int, ClientInfo]) -> None:
         shapes = {nid: {k: v.shape for k, v in info.initial.items()} for nid, info in clients.items()}
-        reference = next(iter(shapes.values()))
+        reference = self._shapes or next(iter(shapes.values()))
         for nid, shape in shapes.items():
             if shape != reference:  # P/Q must not depend on the model; different shapes mean different pqlora settings
                 raise ValueError(f"simgrad: node {nid}'s PQ-LoRA arrays differ from the others' ({clients[nid].model}); use one pqlora config")
@@ -78,6 +79,7 @@ class SimGrad(Strategy):
             self.partition_of[nid] = info.partition_id
             self.model_of[nid] = info.model
             self.global_by_partition.setdefault(info.partition_id, {k: v.copy() for k, v in info.initial.items()})
+        self._shapes = reference
         self.names = sorted(reference)
 
     def observe_reports(self, server_round: int, reports: dict[int, ClientReport]) -> None:

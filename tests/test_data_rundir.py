@@ -70,3 +70,26 @@ def test_checkpoint_round_trip_and_metric_truncation(tmp_path):
     run.truncate_metrics_after(2)
     assert max(r["round"] for r in run.read_metrics()) == 2
     assert run.plot_eval_loss().stat().st_size > 1000
+
+
+def test_a_crash_while_checkpointing_leaves_the_previous_round_whole(tmp_path, monkeypatch):
+    import os
+
+    run = RunDirectory(tmp_path / "run")
+    run.save_checkpoint(1, "fedavg", {"global": {"w": np.ones(3, np.float32)}}, {})
+    real_replace, calls = os.replace, []
+
+    def crash_before_the_json(src, dst):  # the process dies after the arrays, before the json naming them
+        calls.append(dst)
+        if str(dst).endswith("state.json"):
+            raise OSError("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_before_the_json)
+    with pytest.raises(OSError):
+        run.save_checkpoint(2, "fedavg", {"global": {"w": np.full(3, 2.0, np.float32)}}, {})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert len(calls) == 2  # round 2's arrays did land, under their own name
+    meta, state = run.load_checkpoint()
+    assert meta["round"] == 1
+    np.testing.assert_array_equal(state["global"]["w"], np.ones(3, np.float32))  # round 1's arrays, not round 2's

@@ -113,3 +113,17 @@ def test_clients_with_different_pq_shapes_are_refused():
     bad[102].initial["block0.q_proj.P"] = np.zeros((R + 1, R + 1), np.float32)
     with pytest.raises(ValueError, match="node 102"):
         SimGrad(SimGradSection()).initialise(bad)
+
+
+def test_a_restarted_node_rejoins_mid_run_with_its_partitions_state():
+    strategy, _, groups = first_round(3, secure=False, route_budget=0)
+    strategy.update(1, [GroupResult(g.name, local_update(i), 8.0, g.members) for i, g in enumerate(groups)])
+    before = strategy.eval_arrays(102)
+    strategy.initialise({55: ClientInfo(55, 2, "wide", zeros())})  # partition 2's SuperNode restarted: new node id
+    for k in NAMES:
+        np.testing.assert_array_equal(strategy.eval_arrays(55)[k], before[k])  # not reset to the fresh adapter
+    strategy.observe_reports(2, {nid: rep for nid, rep in reports(3).items() if nid != 102} | {55: reports(3)[102]})
+    assert 55 in {m for g in strategy.train_groups(2, [100, 101, 55]) for m in g.members}
+    late = {56: ClientInfo(56, 3, "small", {k: np.zeros(3, np.float32) for k in NAMES})}
+    with pytest.raises(ValueError, match="node 56"):  # a late joiner is held to the same P/Q shapes
+        strategy.initialise(late)
