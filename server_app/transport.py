@@ -41,11 +41,12 @@ log = get_logger("tessera.server")
 
 def _send(grid, messages: list[Message], timeout: float) -> dict[int, Message | str]:
     """Send and wait; map every destination to its reply, or to the reason there is none."""
-    dst = [m.metadata.dst_node_id for m in messages]
-    out: dict[int, Message | str] = {nid: f"no reply within {timeout:.0f}s" for nid in dst}
+    out: dict[int, Message | str] = {m.metadata.dst_node_id: f"no reply within {timeout:.0f}s" for m in messages}
     for reply in grid.send_and_receive(messages, timeout=timeout):
-        src = reply.metadata.src_node_id
-        out[src] = f"client error: {_short_reason(reply.error.reason)}" if reply.has_error() else reply
+        # by the message it answers: the SuperLink itself answers for a node that went offline (src = SuperLink)
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}  # set once sent
+        nid = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+        out[nid] = f"client error: {_short_reason(reply.error.reason)}" if reply.has_error() else reply
     return out
 
 

@@ -35,6 +35,7 @@ class InMemoryGrid:
         self.batches = getattr(self, "batches", 0) + 1
         replies = []
         for msg in messages:
+            msg.metadata.__dict__["_message_id"] = msg.object_id  # as Flower's grid does when it pushes
             self.sent.append(msg)
             nid = msg.metadata.dst_node_id
             if "fitins.parameters" in msg.content:
@@ -44,7 +45,13 @@ class InMemoryGrid:
                 out = self.behaviour[nid](msg.content)
             if out is None:
                 continue
-            reply = Message(out, reply_to=msg)
+            if isinstance(out, str) and out == "offline":  # the SuperLink answers for a node that stopped sending heartbeats
+                from flwr.app import Error
+
+                reply = Message(Error(code=5, reason="The node is offline: no heartbeat within 2 x its interval."), reply_to=msg)
+                reply.metadata.__dict__["_src_node_id"] = 0  # from the SuperLink, not the node
+            else:
+                reply = Message(out, reply_to=msg)
             replies.append(reply)
         return replies
 
@@ -62,6 +69,7 @@ def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
         5: lambda a: train_reply({"w.lora_A.weight": a["w.lora_A.weight"]}, 5, {}),  # missing key
         6: lambda a: Error(code=0, reason="client crashed"),
         7: lambda a: None,  # never answers
+        8: lambda a: "offline",  # killed: the SuperLink answers for it
     }
     grid = InMemoryGrid(behaviour)
     group = Group("all", {nid: START for nid in behaviour})
@@ -72,15 +80,15 @@ def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
     finally:
         server_log.removeHandler(caplog.handler)
     assert result.contributors == [1, 2]
-    assert set(result.rejected) == {3, 4, 5, 6, 7}
+    assert set(result.rejected) == {3, 4, 5, 6, 7, 8}
     assert "NaN" in result.rejected[3] and "shape" in result.rejected[4] and "missing" in result.rejected[5]
-    assert "crashed" in result.rejected[6] and "no reply" in result.rejected[7]
+    assert "crashed" in result.rejected[6] and "no reply" in result.rejected[7] and "offline" in result.rejected[8]
     expected = weighted_mean([{k: v + 1.0 for k, v in START.items()}, {k: v + 3.0 for k, v in START.items()}], [10, 30])
     for key in START:
         np.testing.assert_allclose(result.mean[key], expected[key])
         np.testing.assert_allclose(result.mean[key], 2.5)  # (10 * 1 + 30 * 3) / 40
     assert result.total_weight == 40
-    assert sum("rejected" in rec.message for rec in caplog.records) == 5
+    assert sum("rejected" in rec.message for rec in caplog.records) == 6
 
 
 def test_all_bad_gives_no_mean():
