@@ -17,6 +17,7 @@ import numpy as np
 from flwr.app import Context, Message
 
 from common.adapters.pqlora import adapters_disabled
+from common.config import TrainSection
 from common.evaluation import evaluate
 from common.logs import get_logger
 from common.records import (
@@ -72,6 +73,18 @@ def _signature_report(rt: ClientRuntime, context: Context, server_round: int) ->
     return signature, salience
 
 
+def node_train_settings(settings: TrainSection, node_config: dict) -> TrainSection:
+    """The run's training settings, with this node's memory budget: node-config ``max-micro-batch`` caps the
+    slices a batch goes through in (the update stays the same; a smaller GPU just takes more passes)."""
+    if "max-micro-batch" not in node_config:
+        return settings
+    cap = node_config["max-micro-batch"]
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"node-config max-micro-batch: expected an integer >= 1 (got {cap!r})")
+    micro = min(settings.micro_batch_size or settings.batch_size, cap)
+    return settings.model_copy(update={"micro_batch_size": micro})
+
+
 def _active_blocks(config: dict) -> list[int] | None:
     value = str(config.get("active-blocks", "")).strip()
     return [int(b) for b in value.split(",")] if value else None
@@ -84,7 +97,7 @@ def train(msg: Message, context: Context) -> Message:
     rt.adapter.begin(context, arrays)
     rt.adapter.prepare_training(active)
     server_round = int(config.get("server-round", 1))
-    settings = rt.cfg.train_settings()
+    settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
     lr = round_learning_rate(settings, server_round, int(config.get("num-server-rounds", rt.cfg.num_server_rounds)))
     log.info("node %s (partition %d) round %d: training %d steps, lr %.2e", context.node_id, rt.partition_id, server_round, settings.local_steps, lr)
     metrics = train_round(rt.model, rt.tokenizer, rt.train, settings, lr, seed=rt.cfg.seed * 1000 + server_round * 97 + rt.partition_id)

@@ -119,6 +119,7 @@ class TrainSection(_Section):
     local_steps: int = Field(4, ge=1)
     batch_size: int = Field(2, ge=1)
     grad_accum_steps: int = Field(1, ge=1)
+    micro_batch_size: int = Field(0, ge=0)  # 0: a batch at once; else slices of this size, same gradient, less memory
     learning_rate: float = Field(1e-3, gt=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decay across rounds down to lr * min_lr_ratio
     weight_decay: float = Field(0.0, ge=0)

@@ -71,6 +71,31 @@ def round_learning_rate(cfg: TrainSection, server_round: int, num_rounds: int) -
     return cfg.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
 
 
+def _answer_tokens(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != IGNORE).sum())  # the tokens the shifted causal-LM loss averages over
+
+
+def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection, device) -> float:
+    """Backpropagate one batch's mean answer-token loss (/ grad-accum steps); return that loss.
+
+    With ``micro_batch_size`` below the batch size the batch goes through in slices, each slice's mean loss
+    weighted by its share of the batch's answer tokens: the gradient is the whole batch's (right padding keeps
+    every slice's logits identical), and peak activation memory is a slice's.
+    """
+    micro = cfg.micro_batch_size or len(batch)
+    total = max(1, _answer_tokens(collate(batch, pad_id)["labels"]))
+    loss_sum = 0.0
+    for start in range(0, len(batch), micro):
+        piece = {k: v.to(device) for k, v in collate(batch[start : start + micro], pad_id).items()}
+        share = _answer_tokens(piece["labels"]) / total
+        if share == 0:
+            continue
+        loss = model(**piece).loss * share / cfg.grad_accum_steps
+        loss.backward()
+        loss_sum += float(loss.detach())
+    return loss_sum
+
+
 def train_round(model, tokenizer, examples: list[Example], cfg: TrainSection, lr: float, seed: int) -> dict[str, float]:
     """Train the model's trainable parameters in place; return loss, example/token counts and seconds."""
     start = time.perf_counter()
@@ -90,14 +115,11 @@ def train_round(model, tokenizer, examples: list[Example], cfg: TrainSection, lr
                 fresh = list(range(len(encoded)))
                 rng.shuffle(fresh)
                 order.extend(fresh)
-            batch = collate([encoded[i] for i in order[: cfg.batch_size]], tokenizer.pad_token_id)
+            chosen = [encoded[i] for i in order[: cfg.batch_size]]
             del order[: cfg.batch_size]
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss = model(**batch).loss / cfg.grad_accum_steps
-            loss.backward()
-            step_loss += float(loss.detach())
-            tokens += int(batch["attention_mask"].sum())
-            seen += batch["input_ids"].shape[0]
+            step_loss += accumulate_batch(model, chosen, tokenizer.pad_token_id, cfg, device)
+            tokens += sum(len(e.input_ids) for e in chosen)
+            seen += len(chosen)
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
         losses.append(step_loss)

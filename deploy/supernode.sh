@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Start a SuperNode (e.g. on a GPU box) that authenticates to the SuperLink with its private key.
-#   deploy/supernode.sh <partition-id> <num-partitions> [extra node-config, e.g. 'model="/models/qwen.gguf"']
+#   deploy/supernode.sh <partition-id> <num-partitions> [extra node-config]
+# Extra node-config (space-separated key=value): model="qwen2.5-coder-0.5b-instruct" (or a checkpoint dir / .gguf),
+# max-micro-batch=1 (memory budget: batches go through in slices of at most this many examples, same update),
+# worker="off" (load the model in every ClientApp process instead of the node's model worker), worker-idle-timeout=1800.
 # Environment: TESSERA_CERTS (needs ca.crt and node-<partition-id>.key), SUPERLINK (host:port, default
 # 127.0.0.1:9092), SUPERNODE_HOST / SUPERNODE_PORT (its ClientAppIO address, default 127.0.0.1:9094+id),
 # NODE_KEY (default $TESSERA_CERTS/node-<partition-id>.key). Several SuperNodes sharing one machine's CPUs should

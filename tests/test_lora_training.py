@@ -96,3 +96,41 @@ def test_exact_match_normalisation_and_lr_schedule():
     assert round_learning_rate(cfg, 1, 5) == pytest.approx(1e-3)
     assert round_learning_rate(cfg, 5, 5) == pytest.approx(1e-4)
     assert round_learning_rate(cfg, 1, 5) > round_learning_rate(cfg, 3, 5) > round_learning_rate(cfg, 5, 5)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_micro_batches_give_the_whole_batch_gradient(tiny, micro):
+    """A node with less memory (node-config max-micro-batch) makes the same update, in more passes."""
+    from common.training import accumulate_batch, collate
+
+    model, tokenizer = tiny
+    for p in model.parameters():
+        if p.requires_grad and p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)  # lora_B starts at zero: give every LoRA weight a gradient
+    batch = [encode(tokenizer, EXAMPLES[i], 64) for i in (0, 5, 6, 11, 3)]  # answers of 1 and 2 digits
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(micro_batch_size):
+        model.zero_grad(set_to_none=True)
+        cfg = TrainSection(batch_size=5, grad_accum_steps=2, micro_batch_size=micro_batch_size)
+        loss = accumulate_batch(model, batch, tokenizer.pad_token_id, cfg, "cpu")
+        return loss, [p.grad.clone() for p in params]
+
+    whole_loss, whole = gradient(0)
+    sliced_loss, sliced = gradient(micro)
+    reference = model(**collate(batch, tokenizer.pad_token_id)).loss.item() / 2
+    assert whole_loss == pytest.approx(reference, rel=1e-5) and sliced_loss == pytest.approx(reference, rel=1e-5)
+    for a, b in zip(whole, sliced):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+    assert any(g.abs().max() > 0 for g in whole)
+
+
+def test_node_memory_budget_caps_the_micro_batch():
+    from client_app.handlers import node_train_settings
+
+    settings = TrainSection(batch_size=4)
+    assert node_train_settings(settings, {}).micro_batch_size == 0
+    assert node_train_settings(settings, {"max-micro-batch": 1}).micro_batch_size == 1
+    assert node_train_settings(settings, {"max-micro-batch": 16}).micro_batch_size == 4
+    with pytest.raises(ValueError, match="max-micro-batch"):
+        node_train_settings(settings, {"max-micro-batch": 0})
