@@ -7,9 +7,11 @@ cd "$(dirname "$0")/.."
 source scripts/flwr_env.sh
 NAME=${1:-tessera}; ADDRESS=${2:-127.0.0.1:9092}
 CERTS=$(cd "${TESSERA_CERTS:-deploy/certs}" && pwd)
-if ! grep -q "^\[superlink\.$NAME\]" "$FLWR_HOME/config.toml"; then
-  printf '\n[superlink.%s]\naddress = "%s"\nroot-certificates = "%s"\n' "$NAME" "$ADDRESS" "$CERTS/ca.crt" >> "$FLWR_HOME/config.toml"
-fi
+# (re)write the connection: an older entry of the same name may point at another address or CA
+CONFIG="$FLWR_HOME/config.toml"
+awk -v section="[superlink.$NAME]" '$0 == section {skip = 1; next} /^\[/ {skip = 0} !skip' "$CONFIG" > "$CONFIG.tmp"
+printf '[superlink.%s]\naddress = "%s"\nroot-certificates = "%s"\n' "$NAME" "$ADDRESS" "$CERTS/ca.crt" >> "$CONFIG.tmp"
+mv "$CONFIG.tmp" "$CONFIG"
 for pub in "$CERTS"/node-*.pub; do
   flwr supernode register "$pub" "$NAME" || echo "[connect] $pub: not registered (already registered?)"
 done
