@@ -29,6 +29,10 @@ _PROBES: dict[tuple, tuple[Any, Any]] = {}  # frozen probe models for signatures
 _DATA: dict[tuple, tuple[list[Example], list[Example]]] = {}
 model_loads = 0
 model_load_seconds = 0.0
+# How many base models this process keeps: unbounded in simulation (one Ray actor serves virtual clients of several
+# models); the deployment model worker sets 1, so a long-lived node that sees a new model or adapter config frees
+# the old one first.
+max_models = 0
 # This message's start-up: seconds before the handler ran (a fresh ClientApp process) + until its model was ready.
 _startup = {"spawn": 0.0, "began": 0.0, "ready": 0.0}
 
@@ -94,6 +98,8 @@ def get_runtime(context: Context) -> ClientRuntime:
     adapter_settings = cfg.lora.model_dump_json() if cfg.adapter == "lora" else cfg.pqlora.model_dump_json() + cfg.simgrad.model_dump_json()
     key = (model_name, cfg.model.quantization, cfg.model.device, cfg.adapter, adapter_settings, cfg.seed)
     if key not in _MODELS:
+        if max_models and len(_MODELS) >= max_models:
+            _evict_oldest_model()
         _MODELS[key] = (build_adapter(_load_base(model_name, cfg), cfg), load_tokenizer(model_name))
     adapter, tokenizer = _MODELS[key]
     data_key = (cfg.data.model_dump_json(), partition_id, num_partitions, cfg.seed)
@@ -103,6 +109,19 @@ def get_runtime(context: Context) -> ClientRuntime:
     if _startup["began"]:
         _startup["ready"] = time.perf_counter() - _startup["began"]
     return ClientRuntime(cfg, adapter, tokenizer, partition_id, model_name, train, test)
+
+
+def _evict_oldest_model() -> None:
+    import gc
+
+    import torch
+
+    key = next(iter(_MODELS))
+    log.info("process %d: freeing base model %s (a node keeps %d)", os.getpid(), key[0], max_models)
+    del _MODELS[key]
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _load_base(model_name: str, cfg: RunConfig):

@@ -157,8 +157,10 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
 
     from common.logs import get_logger
 
+    from . import runtime
     from .handlers import handle
 
+    runtime.max_models = 1  # one node, one base model at a time
     log = get_logger("tessera.worker")
     activity = {"last": time.monotonic(), "busy": False}
     _exit_when(lambda: not _alive(watch_pid), f"launcher process {watch_pid} is gone", sock)

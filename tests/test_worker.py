@@ -109,3 +109,19 @@ def test_worker_mode_is_validated_and_auto_means_deployment_only():
         app.use_worker({"worker": "sometimes"})
     assert app.use_worker({"worker": "on"}) and not app.use_worker({"worker": "off"})
     assert not app.use_worker({})  # pytest is not a per-message flwr-clientapp process
+
+
+def test_a_node_keeps_one_base_model(tiny_llama_dir, tmp_path, monkeypatch):
+    """The model worker lives across runs: a run with another model or adapter config frees the old model first."""
+    from client_app import runtime
+
+    monkeypatch.setattr(runtime, "max_models", 1)
+    monkeypatch.setattr(runtime, "_MODELS", {})
+
+    def context(r: int) -> Context:
+        return Context(run_id=r, node_id=7, node_config={}, state=RecordDict(), run_config=run_config(tiny_llama_dir, tmp_path, **{"lora.r": r}))
+
+    first = runtime.get_runtime(context(2))
+    second = runtime.get_runtime(context(4))
+    assert len(runtime._MODELS) == 1 and second.adapter is not first.adapter
+    assert next(iter(runtime._MODELS))[4] == second.cfg.lora.model_dump_json()  # the newest config is the one kept
