@@ -92,7 +92,7 @@ def _active_blocks(config: dict) -> list[int] | None:
 
 def train(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
-    arrays, config = read_train_instruction(msg.content, rt.names)
+    arrays, config = read_train_instruction(msg.content, rt.adapter.initial)
     active = _active_blocks(config)
     rt.adapter.begin(context, arrays)
     rt.adapter.prepare_training(active)
@@ -113,7 +113,7 @@ def train(msg: Message, context: Context) -> Message:
 
 def evaluate_handler(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
-    arrays = from_array_record(msg.content.array_records[ARRAYS], rt.names)
+    arrays = from_array_record(msg.content.array_records[ARRAYS], rt.adapter.initial)
     rt.adapter.begin(context, arrays)
     metrics = evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train)
     config = msg.content.config_records[CONFIG] if CONFIG in msg.content else {}

@@ -1,10 +1,14 @@
 """Adapters and metrics <-> Flower records: the wire format, shared by the ServerApp and the ClientApp.
 
 Train messages use Flower's legacy FitIns / FitRes layout (``fitins.parameters``, ``fitres.num_examples``, ...)
-because that is what ``secaggplus_mod`` masks; the arrays inside are NAMED (peft's adapter keys, sorted), so
-plain-mode replies can be checked key by key. When SecAgg+ re-packs instructions it drops the names, so the
-client maps arrays positionally onto its own sorted names after checking the count and shapes.
-Adapters travel as float32; every message's array bytes are counted.
+because that is what ``secaggplus_mod`` masks. Adapters that go back and forth every round (train instructions
+and replies, evaluate instructions) travel PACKED: one float32 vector, the arrays concatenated in sorted-name
+order, under the key ``packed:<layout digest>``. Flower moves every Array as its own object (one HTTP request
+each between SuperLink, SuperNode and ClientApp; a LoRA adapter is 120 arrays, 244 objects), so packing is what
+makes a deployed round cheap. The receiver unpacks with the layout it expects (its own adapter, or what the
+server sent) and the digest catches a different layout. When SecAgg+ re-packs instructions it drops the keys, so
+a lone vector is unpacked positionally after a size check. The initial adapter (once per client) travels named:
+the server learns names and shapes from it. Adapters travel as float32; every message's array bytes are counted.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ FITINS_ARRAYS, FITINS_CONFIG = "fitins.parameters", "fitins.config"
 FITRES_ARRAYS, FITRES_METRICS = "fitres.parameters", "fitres.metrics"
 FITRES_NUM_EXAMPLES, FITRES_STATUS = "fitres.num_examples", "fitres.status"
 ARRAYS, CONFIG, METRICS, SIGNATURE = "arrays", "config", "metrics", "signature"
+PACKED = "packed"
 QUERY_INITIAL, QUERY_REPORT = "initial-adapter", "report"
 
 
@@ -30,30 +35,72 @@ def num_bytes(arrays: dict[str, np.ndarray]) -> int:
     return int(sum(np.asarray(a).nbytes for a in arrays.values()))
 
 
-def to_array_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+def layout_digest(arrays: dict[str, np.ndarray]) -> str:
+    """A short fingerprint of the names and shapes, in the order ``pack`` concatenates them."""
+    import hashlib
+
+    layout = ";".join(f"{k}:{tuple(np.shape(arrays[k]))}" for k in sorted(arrays))
+    return hashlib.sha1(layout.encode()).hexdigest()[:16]
+
+
+def pack(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """One float32 vector: the arrays flattened and concatenated in sorted-name order."""
+    if not arrays:
+        return np.zeros(0, np.float32)
+    return np.concatenate([np.asarray(arrays[k], dtype=np.float32).ravel() for k in sorted(arrays)])
+
+
+def unpack(vector: np.ndarray, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of ``pack`` for the names and shapes of ``reference``."""
+    sizes = [int(np.prod(np.shape(reference[k]), dtype=np.int64)) for k in sorted(reference)]
+    vector = np.asarray(vector).ravel()
+    if vector.size != sum(sizes):
+        raise ReplyError(f"packed adapter has {vector.size} numbers, expected {sum(sizes)} ({len(sizes)} arrays)")
+    pieces = np.split(vector.astype(np.float32, copy=False), np.cumsum(sizes)[:-1])
+    return {k: piece.reshape(np.shape(reference[k])) for k, piece in zip(sorted(reference), pieces)}
+
+
+def to_array_record(arrays: dict[str, np.ndarray], packed: bool = False) -> ArrayRecord:
+    """Named arrays, or with ``packed`` one vector under ``packed:<layout digest>`` (see the module docstring)."""
+    if packed:
+        return ArrayRecord({f"{PACKED}:{layout_digest(arrays)}": Array(pack(arrays))})
     # np.require keeps 0-d arrays (scalars such as a gate) 0-d; np.ascontiguousarray would make them (1,).
     return ArrayRecord({k: Array(np.require(arrays[k], dtype=np.float32, requirements="C")) for k in sorted(arrays)})
 
 
-def from_array_record(record: ArrayRecord, names: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Named arrays from a record; with ``names``, positional records (SecAgg+ re-packed) are mapped onto them."""
+def from_array_record(record: ArrayRecord, reference: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Named arrays from a record. With ``reference`` (the names and shapes expected): packed records are unpacked
+    (their layout digest must match), and positional ones (SecAgg+ re-packed) are mapped onto sorted names."""
     from flwr.common import bytes_to_ndarray
 
     # Arrays re-packed from legacy Parameters carry no shape/dtype, only np.save bytes: decode those bytes.
     values = {k: bytes_to_ndarray(v.data) if not v.shape else v.numpy() for k, v in record.items()}
-    if names is None or set(values) == set(names):
+    packed = [k for k in values if k.startswith(PACKED + ":")]
+    if packed or (reference is not None and len(values) == 1 and set(values) != set(reference) and len(reference) > 1):
+        if reference is None:
+            raise ReplyError("a packed adapter needs the expected names and shapes to unpack")
+        if len(values) != 1:
+            raise ReplyError(f"a packed adapter is one array, got {len(values)}")
+        key, vector = next(iter(values.items()))
+        if packed and key != f"{PACKED}:{layout_digest(reference)}":
+            raise ReplyError(f"adapter layout (names or shapes) differs from the expected one: {vector.size} numbers, "
+                             f"expected {sum(int(np.prod(np.shape(v))) for v in reference.values())} in {len(reference)} arrays")
+        return unpack(vector, reference)
+    if reference is None or set(values) == set(reference):
         return values
+    names = sorted(reference)
     if len(values) != len(names):
         raise ReplyError(f"expected {len(names)} arrays, got {len(values)}")
     return dict(zip(names, values.values()))
 
 
 def train_instruction(arrays: dict[str, np.ndarray], config: dict[str, Any]) -> RecordDict:
-    return RecordDict({FITINS_ARRAYS: to_array_record(arrays), FITINS_CONFIG: ConfigRecord(config)})
+    return RecordDict({FITINS_ARRAYS: to_array_record(arrays, packed=True), FITINS_CONFIG: ConfigRecord(config)})
 
 
-def read_train_instruction(content: RecordDict, names: list[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    return from_array_record(content.array_records[FITINS_ARRAYS], names), dict(content.config_records[FITINS_CONFIG])
+def read_train_instruction(content: RecordDict, reference: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The start adapter (as ``reference``'s names and shapes) and the config of a train instruction."""
+    return from_array_record(content.array_records[FITINS_ARRAYS], reference), dict(content.config_records[FITINS_CONFIG])
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +118,7 @@ def metric_list(value: Any, kind: type = float) -> list:
 def train_reply(arrays: dict[str, np.ndarray], num_examples: int, metrics: dict[str, Any]) -> RecordDict:
     return RecordDict(
         {
-            FITRES_ARRAYS: to_array_record(arrays),
+            FITRES_ARRAYS: to_array_record(arrays, packed=True),
             FITRES_NUM_EXAMPLES: MetricRecord({"num_examples": int(num_examples)}),
             FITRES_METRICS: ConfigRecord(scalar_metrics(metrics)),
             FITRES_STATUS: ConfigRecord({"code": 0, "message": "ok"}),
@@ -96,7 +143,7 @@ def read_train_reply(content: RecordDict, reference: dict[str, np.ndarray]) -> t
     for key in (FITRES_ARRAYS, FITRES_NUM_EXAMPLES, FITRES_METRICS):
         if key not in content:
             raise ReplyError(f"reply lacks '{key}'")
-    arrays = from_array_record(content.array_records[FITRES_ARRAYS])
+    arrays = from_array_record(content.array_records[FITRES_ARRAYS], reference)
     check_arrays(arrays, reference)
     num_examples = int(content.metric_records[FITRES_NUM_EXAMPLES]["num_examples"])
     if num_examples <= 0:
@@ -105,7 +152,7 @@ def read_train_reply(content: RecordDict, reference: dict[str, np.ndarray]) -> t
 
 
 def eval_instruction(arrays: dict[str, np.ndarray], config: dict[str, Any]) -> RecordDict:
-    return RecordDict({ARRAYS: to_array_record(arrays), CONFIG: ConfigRecord(config)})
+    return RecordDict({ARRAYS: to_array_record(arrays, packed=True), CONFIG: ConfigRecord(config)})
 
 
 def metrics_reply(metrics: dict[str, Any]) -> RecordDict:

@@ -26,12 +26,14 @@ from common.records import (
     check_arrays,
     eval_instruction,
     num_bytes,
+    pack,
     query_instruction,
     read_initial_reply,
     read_metrics,
     read_report_reply,
     read_train_reply,
     train_instruction,
+    unpack,
 )
 from strategies.aggregation import weighted_mean
 from strategies.base import Arrays, ClientInfo, ClientReport, Group, GroupResult
@@ -103,9 +105,8 @@ def train_group_secure(
     from flwr.server.workflow import SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
-    names = sorted(next(iter(group.start.values())))  # what members receive (positionally, under SecAgg+)
-    reply_names = sorted(group.reply_reference(group.members[0]))  # what they send back
-    capture = _CaptureGroup(grid, context.run_id, group, names, {**config, **group.config})
+    reference = group.reply_reference(group.members[0])  # what members send back (packed: one vector)
+    capture = _CaptureGroup(grid, context.run_id, group, {**config, **group.config})
     state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()})
     legacy = LegacyContext(
         Context(context.run_id, context.node_id, dict(context.node_config), state, dict(context.run_config)), strategy=capture
@@ -122,11 +123,11 @@ def train_group_secure(
     result = GroupResult(group.name, None, 0.0, sorted(capture.metrics), metrics=capture.metrics)
     result.rejected = {nid: "dropped out of SecAgg+" for nid in group.members if nid not in capture.metrics}
     if capture.mean is not None:
-        mean = dict(zip(reply_names, capture.mean))
         try:
-            if len(capture.mean) != len(reply_names):
-                raise ReplyError(f"{len(capture.mean)} arrays in the aggregate, expected {len(reply_names)}")
-            check_arrays(mean, group.reply_reference(group.members[0]))
+            if len(capture.mean) != 1:
+                raise ReplyError(f"{len(capture.mean)} arrays in the aggregate, expected one packed vector")
+            mean = unpack(capture.mean[0], reference)
+            check_arrays(mean, reference)
             result.mean = {k: v.astype(np.float32) for k, v in mean.items()}
             result.total_weight = float(sum(m["num_examples"] for m in capture.metrics.values()))
         except ReplyError as err:
@@ -144,12 +145,12 @@ def _as_share_param(value: float) -> int | float:
 class _CaptureGroup:
     """A minimal legacy strategy: selects the group's members and captures SecAgg+'s unmasked mean."""
 
-    def __init__(self, grid, run_id: int, group: Group, names: list[str], config: dict[str, Any]) -> None:
+    def __init__(self, grid, run_id: int, group: Group, config: dict[str, Any]) -> None:
         from flwr.common import FitIns, ndarrays_to_parameters
         from flwr.server.compat.grid_client_proxy import GridClientProxy
 
-        self.instructions = [
-            (GridClientProxy(nid, grid, run_id), FitIns(ndarrays_to_parameters([group.start[nid][k] for k in names]), dict(config)))
+        self.instructions = [  # each member's start adapter packed into one vector (``common.records``)
+            (GridClientProxy(nid, grid, run_id), FitIns(ndarrays_to_parameters([pack(group.start[nid])]), dict(config)))
             for nid in group.members
         ]
         self.mean: list[np.ndarray] | None = None

@@ -38,7 +38,7 @@ def run_secure_round(tmp_path, num_nodes: int, start=START, send_back=None):
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:
-        arrays, config = read_train_instruction(msg.content, sorted(start))
+        arrays, config = read_train_instruction(msg.content, start)
         assert all(np.allclose(arrays[k], start[k]) for k in start) and config["server-round"] == 1
         assert config.get("active-blocks", "all") == ("1" if send_back else "all")  # the group's config arrives
         update, n = client_update(int(context.node_config["partition-id"]), start, send_back)
