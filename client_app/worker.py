@@ -165,7 +165,7 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
     activity = {"last": time.monotonic(), "busy": False}
     _exit_when(lambda: not _alive(watch_pid), f"launcher process {watch_pid} is gone", sock)
     _exit_when(lambda: not activity["busy"] and time.monotonic() - activity["last"] > idle_timeout, f"idle for {idle_timeout:.0f}s", sock)
-    listener = Listener(str(sock), family="AF_UNIX", authkey=_authkey(sock))
+    listener = Listener(str(sock), family="AF_UNIX", backlog=16, authkey=_authkey(sock))  # ClientApps queue while busy
     log.info("model worker %d serving %s (app %s)", os.getpid(), sock, APP_DIR)
     while True:
         try:
