@@ -69,8 +69,13 @@ def dispatch(kind: str, msg: Message, context: Context) -> Message:
         from . import worker
 
         idle_timeout = float(context.node_config.get("worker-idle-timeout", 1800))
-        sock = worker.ensure_worker(os.getppid(), idle_timeout)  # parent = the SuperExec that launches ClientApps
-        return worker.call(sock, kind, msg, context, spawn_seconds)
+        for attempt in (1, 2):  # a worker that exited (idle) between our check and our request: start one, once
+            sock = worker.ensure_worker(os.getppid(), idle_timeout)  # parent = the SuperExec that launches ClientApps
+            try:
+                return worker.call(sock, kind, msg, context, spawn_seconds)
+            except worker.WorkerUnavailable:
+                if attempt == 2:
+                    raise
     from .handlers import handle
 
     return handle(kind, msg, context, spawn_seconds)

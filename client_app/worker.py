@@ -46,6 +46,10 @@ class WorkerError(RuntimeError):
     """A handler failed in the worker, or the worker could not be reached."""
 
 
+class WorkerUnavailable(WorkerError):
+    """No worker took the request (it exited, e.g. idle); nothing was sent, so the caller may start one and retry."""
+
+
 def socket_path(launcher_pid: int, app_dir: Path = APP_DIR) -> Path:
     """Where the worker for this launcher (SuperExec) process and app version listens."""
     import hashlib
@@ -75,7 +79,8 @@ def _connect(sock: Path, timeout: float) -> Connection:
 def ensure_worker(launcher_pid: int, idle_timeout: float) -> Path:
     """The socket of a running worker for this node, starting one if there is none."""
     sock = socket_path(launcher_pid)
-    sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _private_dir(sock.parent.parent)
+    _private_dir(sock.parent)
     with open(sock.parent / "spawn.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent ClientApps of one node start one worker
         if _listening(sock):
@@ -99,6 +104,18 @@ def ensure_worker(launcher_pid: int, idle_timeout: float) -> Path:
                 raise WorkerError(f"the model worker did not listen on {sock} within {START_TIMEOUT:.0f}s")
             time.sleep(0.2)
         return sock
+
+
+def _private_dir(directory: Path) -> None:
+    """Make ``directory`` (mode 0700) or check it: it must be ours and closed to others, because a socket and key
+    planted there by another user would receive our messages (and answer with pickles)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    info = directory.lstat()
+    if info.st_uid == os.getuid() and not directory.is_symlink() and info.st_mode & 0o077:
+        directory.chmod(0o700)
+        info = directory.lstat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077 or directory.is_symlink():
+        raise WorkerError(f"{directory} is not a private directory of this user (mode {oct(info.st_mode & 0o777)}, uid {info.st_uid}); remove it or set TESSERA_WORKER_DIR")
 
 
 def _listening(sock: Path) -> bool:
@@ -130,7 +147,11 @@ def call(sock: Path, kind: str, msg: Message, context: Context, spawn_seconds: f
 
     request = ("handle", kind, message_to_proto(msg).SerializeToString(), context_to_proto(context).SerializeToString(), spawn_seconds)
     try:
-        with _connect(sock, timeout=10) as conn:
+        conn = _connect(sock, timeout=10)
+    except (OSError, EOFError, AuthenticationError) as err:
+        raise WorkerUnavailable(f"no model worker at {sock}: {err!r}") from err
+    try:
+        with conn:
             conn.send(request)
             answer = conn.recv()
     except (OSError, EOFError) as err:
@@ -163,7 +184,7 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
     runtime.max_models = 1  # one node, one base model at a time
     log = get_logger("tessera.worker")
     activity = {"last": time.monotonic(), "busy": False}
-    _exit_when(lambda: not _alive(watch_pid), f"launcher process {watch_pid} is gone", sock)
+    _exit_when(lambda: not _alive(watch_pid), f"launcher process {watch_pid} is gone", sock, remove_dir=True)
     _exit_when(lambda: not activity["busy"] and time.monotonic() - activity["last"] > idle_timeout, f"idle for {idle_timeout:.0f}s", sock)
     listener = Listener(str(sock), family="AF_UNIX", backlog=16, authkey=_authkey(sock))  # ClientApps queue while busy
     log.info("model worker %d serving %s (app %s)", os.getpid(), sock, APP_DIR)
@@ -205,12 +226,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _exit_when(condition, why: str, sock: Path, every: float = 1.0) -> None:
+def _exit_when(condition, why: str, sock: Path, every: float = 1.0, remove_dir: bool = False) -> None:
     def watch() -> None:
         while not condition():
             time.sleep(every)
         print(f"[tessera] model worker {os.getpid()}: exiting, {why}", flush=True)
         _cleanup(sock)
+        if remove_dir:  # the launcher is gone: nobody starts workers in its directory any more
+            import shutil
+
+            shutil.rmtree(sock.parent, ignore_errors=True)
         os._exit(0)
 
     threading.Thread(target=watch, daemon=True).start()

@@ -76,7 +76,7 @@ def from_array_record(record: ArrayRecord, reference: dict[str, np.ndarray] | No
     # Arrays re-packed from legacy Parameters carry no shape/dtype, only np.save bytes: decode those bytes.
     values = {k: bytes_to_ndarray(v.data) if not v.shape else v.numpy() for k, v in record.items()}
     packed = [k for k in values if k.startswith(PACKED + ":")]
-    if packed or (reference is not None and len(values) == 1 and set(values) != set(reference) and len(reference) > 1):
+    if packed or (reference is not None and len(values) == 1 and set(values) != set(reference)):
         if reference is None:
             raise ReplyError("a packed adapter needs the expected names and shapes to unpack")
         if len(values) != 1:

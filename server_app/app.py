@@ -48,6 +48,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     clients = query_clients(grid, node_ids, cfg.round_timeout)
     log.info("clients: %s", {nid: f"partition {c.partition_id}, {c.model}" for nid, c in sorted(clients.items())})
     strategy.initialise(clients)
+    refused: set[int] = set()  # nodes that joined later and could not take part
     checkpoint = run.load_checkpoint() if cfg.resume else None
     if checkpoint is not None:
         meta, state = checkpoint
@@ -65,7 +66,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
         started = time.perf_counter()
-        node_ids = _admit_new_nodes(grid, cfg, strategy, clients, sorted(grid.get_node_ids()) or node_ids)
+        node_ids = _admit_new_nodes(grid, cfg, strategy, clients, refused, sorted(grid.get_node_ids()) or node_ids)
         report_rows = _collect_reports(grid, cfg, strategy, server_round, node_ids) if strategy.wants_reports else {}
         results = _train_round(grid, context, cfg, strategy, server_round, node_ids)
         accepted = sum(len(r.contributors) for r in results)
@@ -96,18 +97,21 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     return run
 
 
-def _admit_new_nodes(grid: Grid, cfg: RunConfig, strategy: Strategy, clients: dict, connected: list[int]) -> list[int]:
+def _admit_new_nodes(grid: Grid, cfg: RunConfig, strategy: Strategy, clients: dict, refused: set[int], connected: list[int]) -> list[int]:
     """This round's nodes: the connected ones the strategy knows. Nodes that connected since (a restarted
-    SuperNode comes back with a new node id) are asked for their identity and added to the strategy first."""
-    new = [nid for nid in connected if nid not in clients]
+    SuperNode comes back with a new node id) are asked for their identity and added to the strategy first; a node
+    that does not answer, or that the strategy cannot take, is asked once and then left out for the run."""
+    new = [nid for nid in connected if nid not in clients and nid not in refused]
     joined = query_clients(grid, new, cfg.round_timeout, required=False) if new else {}
-    if joined:
+    refused.update(nid for nid in new if nid not in joined)
+    for nid, info in sorted(joined.items()):
         try:
-            strategy.initialise(joined)
-            clients.update(joined)
-            log.info("nodes joined: %s", {nid: f"partition {c.partition_id}, {c.model}" for nid, c in sorted(joined.items())})
+            strategy.initialise({nid: info})
+            clients[nid] = info
+            log.info("node %d joined: partition %d, %s", nid, info.partition_id, info.model)
         except ValueError as err:
-            log.warning("nodes %s left out: %s", sorted(joined), err)
+            refused.add(nid)
+            log.warning("node %d left out: %s", nid, err)
     return [nid for nid in connected if nid in clients]
 
 

@@ -93,7 +93,10 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
 
     # 2. Kill the SuperLink mid-run (round 2 has begun); restart it on the same state database, and node 2 with it.
     fed.stop(fed.superlink, signal.SIGKILL)
-    first.wait(timeout=120)
+    try:
+        first.wait(timeout=120)  # `flwr run` ends with its SuperLink
+    finally:
+        fed.stop(first)
     fed.start_superlink()
     fed.start_node(2)  # its key is still registered: the registrations live in the state database
     wait_for(lambda: online_nodes(fed) == 3, "three SuperNodes back online", poll=3, logs=fed.work)

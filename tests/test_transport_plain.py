@@ -10,7 +10,7 @@ from flwr.app import Error, Message, RecordDict
 from common.records import read_train_instruction, report_reply, train_reply
 from server_app.transport import collect_reports, train_groups_plain
 from strategies.aggregation import weighted_mean
-from strategies.base import Group
+from strategies.base import ClientInfo, Group
 
 @pytest.fixture(autouse=True)
 def task_identity():
@@ -139,3 +139,23 @@ def test_malformed_signatures_are_left_out_of_the_relevance_matrix_with_a_reason
     assert "salience" in rejected[6] and "signature" in rejected[7]
     np.testing.assert_allclose(reports[2].salience, [0.3, 0.0])
     assert sum("left out of the relevance matrix" in rec.message for rec in caplog.records) == 5
+
+
+def test_a_late_node_that_does_not_answer_is_asked_once():
+    """A node that connects mid-run is asked for its identity before it trains; one that stays silent is not
+    asked again every round (each ask waits up to round-timeout)."""
+    from common.config import RunConfig
+    from common.records import initial_reply
+    from server_app.app import _admit_new_nodes
+    from strategies.fedavg import FedAvg
+
+    grid = InMemoryGrid({3: lambda content: initial_reply(START, {"partition-id": 2, "model": "m"}), 4: lambda content: None})
+    strategy, clients, refused = FedAvg(), {}, set()
+    strategy.initialise({1: ClientInfo(1, 0, "m", START)})
+    clients[1] = ClientInfo(1, 0, "m", START)
+    cfg = RunConfig.from_flat({"round-timeout": 1.0})
+    assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [1, 3, 4]) == [1, 3]
+    assert refused == {4} and clients[3].partition_id == 2
+    asked = len(grid.sent)
+    assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [1, 3, 4]) == [1, 3]
+    assert len(grid.sent) == asked  # nobody asked again

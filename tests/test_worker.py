@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,7 +102,29 @@ def test_worker_exits_when_its_launcher_is_gone(tiny_llama_dir, tmp_path, launch
     assert worker._listening(sock)
     launcher.kill()
     launcher.wait()
-    assert wait_until(lambda: not sock.exists(), timeout=20), "the worker outlived its SuperExec"
+    assert wait_until(lambda: not sock.parent.exists(), timeout=20), "the worker outlived its SuperExec"
+
+
+def test_an_idle_worker_exits_and_the_next_message_starts_another(tiny_llama_dir, tmp_path, launcher):
+    context = Context(run_id=1, node_id=7, node_config={"worker": "on", "worker-idle-timeout": 2}, state=RecordDict(),
+                      run_config=run_config(tiny_llama_dir, tmp_path))
+    first = read_initial_reply(app.dispatch("query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context).content)[1]
+    sock = worker.socket_path(subprocess.os.getppid())
+    assert wait_until(lambda: not worker._listening(sock), timeout=30), "the idle worker did not exit"
+    second = read_initial_reply(app.dispatch("query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context).content)[1]
+    assert second["pid"] != first["pid"] and second["model-loads"] == 1
+
+
+def test_a_worker_directory_that_is_not_private_is_refused(monkeypatch, tmp_path):
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="tw"))
+    monkeypatch.setenv("TESSERA_WORKER_DIR", str(base))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (base / f"tessera-workers-{subprocess.os.getuid()}").symlink_to(elsewhere)  # planted: points somewhere else
+    with pytest.raises(worker.WorkerError, match="not a private directory"):
+        worker.ensure_worker(12345, idle_timeout=60)
 
 
 def test_worker_mode_is_validated_and_auto_means_deployment_only():
