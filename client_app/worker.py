@@ -35,6 +35,9 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
 from flwr.app import Context, Message
+from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
+from flwr.proto.message_pb2 import Context as ProtoContext
+from flwr.proto.message_pb2 import Message as ProtoMessage
 
 APP_DIR = Path(__file__).resolve().parents[1]
 # context.state keys the app owns (client adapter state); others (e.g. SecAgg+'s) stay with the ClientApp process
@@ -143,9 +146,7 @@ def _stop_other_workers(keep: Path) -> None:
 
 def call(sock: Path, kind: str, msg: Message, context: Context, spawn_seconds: float) -> Message:
     """Run ``kind``'s handler in the worker; update ``context.state`` with the app's keys; return the reply."""
-    from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
-
-    request = ("handle", kind, message_to_proto(msg).SerializeToString(), context_to_proto(context).SerializeToString(), spawn_seconds)
+    request = ("handle", kind, *_encode(msg, context), spawn_seconds)
     try:
         conn = _connect(sock, timeout=10)
     except (OSError, EOFError, AuthenticationError) as err:
@@ -158,11 +159,8 @@ def call(sock: Path, kind: str, msg: Message, context: Context, spawn_seconds: f
         raise WorkerError(f"the node's model worker ({sock}) went away during '{kind}': {err!r}") from err
     if answer[0] == "error":
         raise WorkerError(answer[1])
-    from flwr.proto.message_pb2 import Context as ProtoContext
-    from flwr.proto.message_pb2 import Message as ProtoMessage
-
-    reply = message_from_proto(ProtoMessage.FromString(answer[1]))
-    state = context_from_proto(ProtoContext.FromString(answer[2])).state
+    reply, worker_context = _decode(answer[1], answer[2])
+    state = worker_context.state
     for key in [k for k in context.state if k.startswith(STATE_PREFIXES)]:
         del context.state[key]
     for key in [k for k in state if k.startswith(STATE_PREFIXES)]:
@@ -170,12 +168,17 @@ def call(sock: Path, kind: str, msg: Message, context: Context, spawn_seconds: f
     return reply
 
 
+def _encode(msg: Message, context: Context) -> tuple[bytes, bytes]:
+    """A Message and a Context as Flower's own protobuf bytes (what the SuperNode gives a ClientApp)."""
+    return message_to_proto(msg).SerializeToString(), context_to_proto(context).SerializeToString()
+
+
+def _decode(msg_bytes: bytes, ctx_bytes: bytes) -> tuple[Message, Context]:
+    return message_from_proto(ProtoMessage.FromString(msg_bytes)), context_from_proto(ProtoContext.FromString(ctx_bytes))
+
+
 # ---------------------------------------------------------------------------------------------------- worker side
 def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
-    from flwr.common.serde import context_from_proto, context_to_proto, message_from_proto, message_to_proto
-    from flwr.proto.message_pb2 import Context as ProtoContext
-    from flwr.proto.message_pb2 import Message as ProtoMessage
-
     from common.logs import get_logger
 
     from . import runtime
@@ -203,9 +206,8 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
             activity["busy"] = True
             log.info("model worker: '%s' (its ClientApp process took %.1fs to hand it over)", kind, spawn_seconds)
             try:
-                context = context_from_proto(ProtoContext.FromString(ctx_bytes))
-                reply = handle(kind, message_from_proto(ProtoMessage.FromString(msg_bytes)), context, spawn_seconds)
-                answer = ("ok", message_to_proto(reply).SerializeToString(), context_to_proto(context).SerializeToString())
+                msg, context = _decode(msg_bytes, ctx_bytes)
+                answer = ("ok", *_encode(handle(kind, msg, context, spawn_seconds), context))
             except Exception as err:  # the ClientApp raises it; the worker keeps serving
                 log.error("model worker: '%s' failed:\n%s", kind, traceback.format_exc())
                 answer = ("error", f"{type(err).__name__}: {err}")

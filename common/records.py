@@ -50,9 +50,13 @@ def pack(arrays: dict[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(arrays[k], dtype=np.float32).ravel() for k in sorted(arrays)])
 
 
+def _sizes(reference: dict[str, np.ndarray]) -> list[int]:
+    return [int(np.prod(np.shape(reference[k]), dtype=np.int64)) for k in sorted(reference)]
+
+
 def unpack(vector: np.ndarray, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inverse of ``pack`` for the names and shapes of ``reference``."""
-    sizes = [int(np.prod(np.shape(reference[k]), dtype=np.int64)) for k in sorted(reference)]
+    sizes = _sizes(reference)
     vector = np.asarray(vector).ravel()
     if vector.size != sum(sizes):
         raise ReplyError(f"packed adapter has {vector.size} numbers, expected {sum(sizes)} ({len(sizes)} arrays)")
@@ -84,7 +88,7 @@ def from_array_record(record: ArrayRecord, reference: dict[str, np.ndarray] | No
         key, vector = next(iter(values.items()))
         if packed and key != f"{PACKED}:{layout_digest(reference)}":
             raise ReplyError(f"adapter layout (names or shapes) differs from the expected one: {vector.size} numbers, "
-                             f"expected {sum(int(np.prod(np.shape(v))) for v in reference.values())} in {len(reference)} arrays")
+                             f"expected {sum(_sizes(reference))} in {len(reference)} arrays")
         return unpack(vector, reference)
     if reference is None or set(values) == set(reference):
         return values

@@ -71,8 +71,8 @@ def round_learning_rate(cfg: TrainSection, server_round: int, num_rounds: int) -
     return cfg.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
 
 
-def _answer_tokens(labels: torch.Tensor) -> int:
-    return int((labels[:, 1:] != IGNORE).sum())  # the tokens the shifted causal-LM loss averages over
+def _answer_tokens(example: Encoded) -> int:
+    return sum(label != IGNORE for label in example.labels[1:])  # what the shifted causal-LM loss averages over
 
 
 def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection, device) -> float:
@@ -83,14 +83,15 @@ def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection
     every slice's logits identical), and peak activation memory is a slice's.
     """
     micro = cfg.micro_batch_size or len(batch)
-    total = max(1, _answer_tokens(collate(batch, pad_id)["labels"]))
+    total = max(1, sum(_answer_tokens(e) for e in batch))
     loss_sum = 0.0
     for start in range(0, len(batch), micro):
-        piece = {k: v.to(device) for k, v in collate(batch[start : start + micro], pad_id).items()}
-        share = _answer_tokens(piece["labels"]) / total
+        piece = batch[start : start + micro]
+        share = sum(_answer_tokens(e) for e in piece) / total
         if share == 0:
             continue
-        loss = model(**piece).loss * share / cfg.grad_accum_steps
+        inputs = {k: v.to(device) for k, v in collate(piece, pad_id).items()}
+        loss = model(**inputs).loss * share / cfg.grad_accum_steps
         loss.backward()
         loss_sum += float(loss.detach())
     return loss_sum

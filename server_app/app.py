@@ -1,8 +1,9 @@
 """The ServerApp: validate the run config, drive rounds, evaluate, write metrics, checkpoint, resume, save.
 
-Each round: strategies that ask get every client's signature report; the strategy names its groups; every
-group's mean arrives through the plain or the SecAgg+ transport; the strategy folds the means in; every node evaluates the adapter it will use; one metrics row per node plus an
-aggregate row go to ``metrics.jsonl``; the server state is checkpointed. Round 0 is the evaluation before any
+Each round: nodes that joined since are admitted; strategies that ask get every client's signature report; the
+strategy names its groups; every group's mean arrives through the plain or the SecAgg+ transport; the strategy
+folds the means in; every node evaluates the adapter it will use; one metrics row per node plus an aggregate row
+go to ``metrics.jsonl``; the server state is checkpointed. Round 0 is the evaluation before any
 training. With ``resume=true`` a restarted run continues after its last completed round.
 """
 

@@ -5,8 +5,9 @@
 the group's ``send_back`` names (all of them, or the routed blocks). Plain mode validates every reply (keys,
 shapes, NaN/Inf, num_examples) and leaves bad ones out with a logged reason. Secure mode runs one
 ``SecAggPlusWorkflow`` for the group with a fresh ``LegacyContext`` whose legacy strategy only selects the group
-and captures the unmasked mean; clients refuse to mask a non-finite update, and SecAgg+ treats them as dropped. ``query_clients`` and ``collect_reports`` gather the clients'
-identities and (for SimGrad) their per-round signature reports.
+and captures the unmasked mean; clients refuse to mask a non-finite update, and SecAgg+ treats them as dropped.
+``query_clients`` and ``collect_reports`` gather the clients' identities and (for SimGrad) their per-round
+signature reports.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ log = get_logger("tessera.server")
 def _send(grid, messages: list[Message], timeout: float) -> dict[int, Message | str]:
     """Send and wait; map every destination to its reply, or to the reason there is none."""
     out: dict[int, Message | str] = {m.metadata.dst_node_id: f"no reply within {timeout:.0f}s" for m in messages}
-    for reply in grid.send_and_receive(messages, timeout=timeout):
-        # by the message it answers: the SuperLink itself answers for a node that went offline (src = SuperLink)
-        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}  # set once sent
+    replies = grid.send_and_receive(messages, timeout=timeout)
+    # by the message it answers (ids are set once sent): the SuperLink itself answers for a node that went offline
+    sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+    for reply in replies:
         nid = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
         out[nid] = f"client error: {_short_reason(reply.error.reason)}" if reply.has_error() else reply
     return out

@@ -11,6 +11,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+@pytest.fixture
+def task_identity():
+    """Flower's Message needs the run/node/task identity a real ServerApp or ClientApp process has."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random-weight Llama checkpoint with a real tokenizer (SmolLM2's), saved like any HF model."""

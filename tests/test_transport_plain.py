@@ -12,13 +12,7 @@ from server_app.transport import collect_reports, train_groups_plain
 from strategies.aggregation import weighted_mean
 from strategies.base import ClientInfo, Group
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Flower's Message needs the run/node identity that a real ServerApp process has."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
+pytestmark = pytest.mark.usefixtures("task_identity")  # Messages built outside an app (conftest)
 
 
 START = {"w.lora_A.weight": np.zeros((2, 3), np.float32), "w.lora_B.weight": np.zeros((3, 2), np.float32)}

@@ -17,13 +17,7 @@ from client_app import app, worker
 from common.records import QUERY_INITIAL, eval_instruction, query_instruction, read_initial_reply, read_metrics, read_train_reply, train_instruction
 
 
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Flower's Message needs the run/node identity that a real ClientApp process has."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
+pytestmark = pytest.mark.usefixtures("task_identity")  # Messages built outside an app (conftest)
 
 
 @pytest.fixture
