@@ -67,7 +67,7 @@ class ClientRuntime:
         name = self.cfg.simgrad.probe_model
         if name == self.model_name:
             return self.model, self.tokenizer, True
-        key = (name, self.cfg.model.quantization, self.cfg.model.device)
+        key = (name, self.cfg.model.quantization, self.cfg.model.device, self.cfg.model.cpu_packed_inference)
         if key not in _PROBES:
             _PROBES[key] = (_load_base(name, self.cfg), load_tokenizer(name))
         return (*_PROBES[key], False)
@@ -96,7 +96,8 @@ def get_runtime(context: Context) -> ClientRuntime:
     # A node's own setting wins; else the run's per-partition list; else the run's model.
     model_name = str(context.node_config.get("model", cfg.model_for_partition(partition_id)))
     adapter_settings = cfg.lora.model_dump_json() if cfg.adapter == "lora" else cfg.pqlora.model_dump_json() + cfg.simgrad.model_dump_json()
-    key = (model_name, cfg.model.quantization, cfg.model.device, cfg.adapter, adapter_settings, cfg.seed)
+    key = (model_name, cfg.model.quantization, cfg.model.device, cfg.model.cpu_packed_inference, cfg.adapter,
+           adapter_settings, cfg.seed)
     if key not in _MODELS:
         if max_models and len(_MODELS) >= max_models:
             _evict_oldest_model()
@@ -129,7 +130,7 @@ def _load_base(model_name: str, cfg: RunConfig):
     _configure_process()
     log.info("process %d: loading base model %s (%s)", os.getpid(), model_name, cfg.model.quantization)
     started = time.perf_counter()
-    base = load_base_model(model_name, cfg.model.quantization, cfg.model.device)
+    base = load_base_model(model_name, cfg.model.quantization, cfg.model.device, cfg.model.cpu_packed_inference)
     model_loads += 1
     model_load_seconds += time.perf_counter() - started
     return base

@@ -52,6 +52,9 @@ class ModelSection(_Section):
     partition_models: list[str] = Field(default_factory=list)
     quantization: Literal["nf4", "bf16", "fp32"] = "nf4"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # NF4 on a CPU with AVX512-BF16: no-grad evaluation/generation through bitsandbytes' packed bf16 kernel (about
+    # 2-3x faster there; training is unaffected). false: fp32 everywhere, identical numbers on every CPU.
+    cpu_packed_inference: bool = True
 
     _csv = field_validator("partition_models", mode="before")(_split_csv)
 

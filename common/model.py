@@ -50,13 +50,17 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_base_model(name: str, quantization: str = "nf4", device: str = "auto"):
+def load_base_model(name: str, quantization: str = "nf4", device: str = "auto", cpu_packed_inference: bool = True):
     """Load a causal LM with frozen weights, quantised as asked.
 
     Args:
         name: built-in alias, local checkpoint directory, ``*.gguf`` file or HF model id.
-        quantization: ``nf4`` (bitsandbytes 4-bit, double quantisation; bf16 compute on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
+        quantization: ``nf4`` (bitsandbytes 4-bit, double quantisation; bf16 compute on CUDA, fp32 on CPU),
+            ``bf16`` or ``fp32``.
         device: ``auto``, ``cpu`` or ``cuda``.
+        cpu_packed_inference: NF4 on a CPU with AVX512-BF16: no-grad eval forwards (evaluation, generation,
+            probes) use bitsandbytes' packed bf16 kernel on a copy of the weights; training always uses the
+            normal layout (``common.bnb_cpu``). False: every forward on the normal path. No effect elsewhere.
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -85,5 +89,10 @@ def load_base_model(name: str, quantization: str = "nf4", device: str = "auto"):
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        # Before any forward: bitsandbytes would otherwise repack weights in place on AVX512-BF16 CPUs at the
+        # first no-grad eval forward and train on its inference kernel from then on (wrong gradients).
+        from .bnb_cpu import use_packed_inference
+
+        use_packed_inference(model, enabled=None if cpu_packed_inference else False)
     model.config.use_cache = False
     return model
