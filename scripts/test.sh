@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/machine_info.sh versions
 python3 -m pytest -q -p no:cacheprovider "$@" tests

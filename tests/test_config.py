@@ -34,6 +34,7 @@ def test_pyproject_defaults_validate_and_cover_every_key():
         ({"train.local-steps": 0}, "train.local-steps"),
         ({"lora.r": -1}, "lora.r"),
         ({"model.quantization": "int3"}, "model.quantization"),
+        ({"model.cpu-packed-inference": "sometimes"}, "model.cpu-packed-inference"),
         ({"data.partitioning": "random"}, "data.partitioning"),
         ({"train.lokal-steps": 3}, "train.lokal-steps"),
         ({"strategy": "nope"}, "strategy"),
