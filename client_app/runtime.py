@@ -96,8 +96,8 @@ def get_runtime(context: Context) -> ClientRuntime:
     # A node's own setting wins; else the run's per-partition list; else the run's model.
     model_name = str(context.node_config.get("model", cfg.model_for_partition(partition_id)))
     adapter_settings = cfg.lora.model_dump_json() if cfg.adapter == "lora" else cfg.pqlora.model_dump_json() + cfg.simgrad.model_dump_json()
-    key = (model_name, cfg.model.quantization, cfg.model.device, cfg.model.cpu_packed_inference, cfg.adapter,
-           adapter_settings, cfg.seed)
+    key = (model_name, cfg.model.quantization, cfg.model.device, cfg.adapter, adapter_settings, cfg.seed,
+           cfg.model.cpu_packed_inference)
     if key not in _MODELS:
         if max_models and len(_MODELS) >= max_models:
             _evict_oldest_model()

@@ -77,12 +77,13 @@ def test_clients_keep_full_adapters_of_their_own_width(simgrad_run):
     assert server_side == ["client-0", "client-1", "client-2"]  # each client's personalised global P/Q
 
 
-def test_every_clients_trained_adapter_changes_its_evaluation(simgrad_run):
-    """A client whose trained PQ-LoRA has no effect at evaluation (as on AVX512-BF16 CPUs before common.bnb_cpu:
-    held-out loss identical to the last digit in every round) is a failure, whatever the exit code."""
+def test_every_clients_held_out_loss_falls(simgrad_run):
+    """Per client, not only the aggregate: a client whose trained PQ-LoRA has no effect at evaluation (as on
+    AVX512-BF16 CPUs before common.bnb_cpu: held-out loss identical to the last digit in every round) fails here,
+    whatever the exit code."""
     _, rows = simgrad_run
     before = {r["node"]: r for r in rows if r["round"] == 0 and r["node"] is not None}
     after = {r["node"]: r for r in rows if r["round"] == 1 and r["node"] is not None}
     assert len(before) == 3 and set(before) == set(after)
-    moved = {after[n]["partition_id"]: abs(after[n]["eval_loss"] - before[n]["eval_loss"]) for n in after}
-    assert all(delta > 1e-4 for delta in moved.values()), moved
+    change = {after[n]["partition_id"]: after[n]["eval_loss"] - before[n]["eval_loss"] for n in after}
+    assert all(delta < 0 for delta in change.values()), change
