@@ -51,8 +51,8 @@ def packed_kernel(request):
             yield calls
 
 
-def _load(path, packed: bool | None = True):
-    return load_base_model(str(path), "nf4", "cpu", cpu_packed_inference=packed is not False)
+def _load(path, packed: bool = True):
+    return load_base_model(str(path), "nf4", "cpu", cpu_packed_inference=packed)
 
 
 def _attach(model, kind: str):
