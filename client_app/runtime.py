@@ -1,9 +1,11 @@
-"""What a client process keeps between messages: the base model (loaded once), the adapter, the data.
+"""What a client process keeps between messages: base models (each loaded once), their adapters, the data.
 
-In simulation, Ray actors are long-lived, so one process serves many rounds and many virtual clients: the model
-is cached per (model, quantisation, adapter settings) and the data per partition; per-client adapter state lives in
-the client's ``context.state`` (``adapters.py``). ``model_loads`` counts how often
-this process really loaded a base model; clients report it so tests (and users) can see that it stays at 1.
+In simulation, Ray actors are long-lived, so one process serves many rounds and many virtual clients; in
+deployment the node's model worker does. A base model is cached per (model, quantisation, device, CPU packing),
+the adapter of the run's kind and settings is attached on top of it (``LoadedModel.attach``), the data is cached
+per partition, and per-client state lives in the client's ``ClientState`` (``context.state``). ``model_loads``
+counts how often this process really loaded a base model; clients report it so tests (and users) can see that it
+stays at 1.
 """
 
 from __future__ import annotations
@@ -20,19 +22,15 @@ from common.data import Example, client_data
 from common.logs import get_logger
 from common.model import load_base_model, load_tokenizer
 
-from .adapters import LoraAdapter, PQLoraAdapter, build_adapter
+from common.adapters import AdapterKind, ClientState, adapter_kind
+from strategies import StrategyClient, strategy_spec
 
 log = get_logger("tessera.client")
 
-_MODELS: dict[tuple, tuple[Any, Any]] = {}  # (adapter holding the model, tokenizer)
-_PROBES: dict[tuple, tuple[Any, Any]] = {}  # frozen probe models for signatures (when not the client's own)
+_MODELS: dict[tuple, LoadedModel] = {}  # base models by what defines them: (name, quantisation, device, packing)
 _DATA: dict[tuple, tuple[list[Example], list[Example]]] = {}
 model_loads = 0
 model_load_seconds = 0.0
-# How many base models this process keeps: unbounded in simulation (one Ray actor serves virtual clients of several
-# models); the deployment model worker sets 1, so a long-lived node that sees a new model or adapter config frees
-# the old one first.
-max_models = 0
 # This message's start-up: seconds before the handler ran (a fresh ClientApp process) + until its model was ready.
 _startup = {"spawn": 0.0, "began": 0.0, "ready": 0.0}
 
@@ -42,35 +40,67 @@ def begin_message(spawn_seconds: float) -> None:
 
 
 @dataclass
-class ClientRuntime:
-    """Everything one virtual client needs for a message: its config, the shared model, its data split."""
+class LoadedModel:
+    """One frozen base model in this process and the adapter attached to it now (None: the pure base).
 
-    cfg: RunConfig
-    adapter: LoraAdapter | PQLoraAdapter  # holds the model: the frozen (4-bit) base with the adapter attached
+    Clients whose adapter settings differ (another kind, rank or expert set) share the base: the attached adapter
+    is swapped (detached, the other attached: module surgery, no reload); their own weights live in their
+    ``ClientState`` or arrive from the server with every message.
+    """
+
+    name: str
+    base: Any
     tokenizer: Any
-    partition_id: int
-    model_name: str
-    train: list[Example]
-    test: list[Example]
-    names: list[str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.names = self.adapter.names
+    last_run: int
+    adapter: AdapterKind | None = None
+    settings: str = ""
 
     @property
-    def model(self):
+    def model(self) -> Any:
+        return self.adapter.model if self.adapter is not None else self.base
+
+    def attach(self, kind: type[AdapterKind], cfg: RunConfig) -> AdapterKind:
+        """The adapter of ``kind`` with ``cfg``'s settings, attached (the one attached now, if it is that)."""
+        wanted = f"{kind.name} {kind.settings(cfg)}"
+        if self.adapter is None or self.settings != wanted:
+            if self.adapter is not None:
+                self.base = self.adapter.detach()
+                self.adapter = None
+            self.adapter, self.settings = kind(self.base, cfg), wanted
+        return self.adapter
+
+
+@dataclass
+class ClientRuntime:
+    """Everything one virtual client needs for a message: its config, the shared model, its data split, its
+    strategy's client half and its kept state."""
+
+    cfg: RunConfig
+    loaded: LoadedModel
+    adapter: AdapterKind  # attached to ``loaded``: the frozen (4-bit) base with this run's adapter
+    strategy: StrategyClient
+    state: ClientState
+    partition_id: int
+    run_id: int
+    train: list[Example]
+    test: list[Example]
+
+    @property
+    def model(self) -> Any:
         return self.adapter.model
 
-    def probe(self) -> tuple[Any, Any, bool]:
-        """The frozen probe model for signatures, its tokenizer, and whether it is this client's own base model
-        (then the caller must disable the adapter around it)."""
-        name = self.cfg.simgrad.probe_model
-        if name == self.model_name:
-            return self.model, self.tokenizer, True
-        key = (name, self.cfg.model.quantization, self.cfg.model.device, self.cfg.model.cpu_packed_inference)
-        if key not in _PROBES:
-            _PROBES[key] = (_load_base(name, self.cfg), load_tokenizer(name))
-        return (*_PROBES[key], False)
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    def probe(self, name: str) -> LoadedModel:
+        """A frozen probe model (e.g. SimGrad's signatures): the base model ``name``, loaded once like any other.
+        When an adapter is attached to it (it is some client's base model), run it inside ``adapter.disabled()``."""
+        return load_model(name, self.cfg, self.run_id)
 
     def identity(self) -> dict[str, Any]:
         """Who answered: reported beside every metric."""
@@ -91,35 +121,53 @@ class ClientRuntime:
 
 def get_runtime(context: Context) -> ClientRuntime:
     cfg = RunConfig.from_flat(dict(context.run_config))
+    spec = strategy_spec(cfg.strategy)
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
     # A node's own setting wins; else the run's per-partition list; else the run's model.
     model_name = str(context.node_config.get("model", cfg.model_for_partition(partition_id)))
-    adapter_settings = cfg.lora.model_dump_json() if cfg.adapter == "lora" else cfg.pqlora.model_dump_json() + cfg.simgrad.model_dump_json()
-    key = (model_name, cfg.model.quantization, cfg.model.device, cfg.adapter, adapter_settings, cfg.seed,
-           cfg.model.cpu_packed_inference)
-    if key not in _MODELS:
-        if max_models and len(_MODELS) >= max_models:
-            _evict_oldest_model()
-        _MODELS[key] = (build_adapter(_load_base(model_name, cfg), cfg), load_tokenizer(model_name))
-    adapter, tokenizer = _MODELS[key]
+    loaded = load_model(model_name, cfg, context.run_id)
+    adapter = loaded.attach(adapter_kind(spec.adapter), cfg)
     data_key = (cfg.data.model_dump_json(), partition_id, num_partitions, cfg.seed)
     if data_key not in _DATA:
         _DATA[data_key] = client_data(cfg.data, partition_id, num_partitions, cfg.seed)
     train, test = _DATA[data_key]
     if _startup["began"]:
         _startup["ready"] = time.perf_counter() - _startup["began"]
-    return ClientRuntime(cfg, adapter, tokenizer, partition_id, model_name, train, test)
+    state = ClientState(context.state, spec.state_keys())
+    return ClientRuntime(cfg, loaded, adapter, spec.client(cfg), state, partition_id, context.run_id, train, test)
 
 
-def _evict_oldest_model() -> None:
+def declared_state_keys(context: Context) -> tuple[str, ...]:
+    """The client-state keys the run's adapter kind and strategy keep (what a node's model worker carries back)."""
+    return strategy_spec(RunConfig.from_flat(dict(context.run_config)).strategy).state_keys()
+
+
+def load_model(name: str, cfg: RunConfig, run_id: int) -> LoadedModel:
+    """The base model ``name`` as ``cfg.model`` defines it, loaded once per process.
+
+    Memory rule: before loading a base model, the ones no message of the current run has used are freed (a
+    long-lived node worker serving a new run with another model gives the old one back; a run keeps every base
+    model it uses: its clients' and its probe)."""
+    key = (name, cfg.model.quantization, cfg.model.device, cfg.model.cpu_packed_inference)
+    if key not in _MODELS:
+        stale = [k for k, m in _MODELS.items() if m.last_run != run_id]
+        if stale:
+            _free(stale)
+        _MODELS[key] = LoadedModel(name, _load_base(name, cfg), load_tokenizer(name), run_id)
+    loaded = _MODELS[key]
+    loaded.last_run = run_id
+    return loaded
+
+
+def _free(keys: list[tuple]) -> None:
     import gc
 
     import torch
 
-    key = next(iter(_MODELS))
-    log.info("process %d: freeing base model %s (a node keeps %d)", os.getpid(), key[0], max_models)
-    del _MODELS[key]
+    for key in keys:
+        log.info("process %d: freeing base model %s (no message of this run uses it)", os.getpid(), key[0])
+        del _MODELS[key]
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -12,7 +12,9 @@ worker runs ``handlers.handle`` with the model it already holds and returns the 
   gone (the SuperNode stopped or was killed), after ``worker-idle-timeout`` seconds without messages, or when
   told to stop.
 - Messages and contexts travel as Flower's own protobufs; the client's state (``context.state``) lives in the
-  Context Flower keeps, as in simulation: the worker gets it with each message and returns the keys it owns.
+  Context Flower keeps, as in simulation: the worker gets it with each message and returns exactly the keys the
+  run's adapter kind and strategy declare (``StrategySpec.state_keys``); other keys (e.g. SecAgg+'s) stay with
+  the ClientApp process.
 - A handler that raises in the worker raises in the ClientApp with the same message (Flower then sends an error
   reply and the server leaves the node out of the round). A worker that dies mid-message fails that message;
   the next one starts a new worker.
@@ -40,8 +42,6 @@ from flwr.proto.message_pb2 import Context as ProtoContext
 from flwr.proto.message_pb2 import Message as ProtoMessage
 
 APP_DIR = Path(__file__).resolve().parents[1]
-# context.state keys the app owns (client adapter state); others (e.g. SecAgg+'s) stay with the ClientApp process
-STATE_PREFIXES = ("pqlora.", "simgrad.")
 START_TIMEOUT = 300.0
 
 
@@ -145,26 +145,32 @@ def _stop_other_workers(keep: Path) -> None:
 
 
 def call(sock: Path, kind: str, msg: Message, context: Context, spawn_seconds: float) -> Message:
-    """Run ``kind``'s handler in the worker; update ``context.state`` with the app's keys; return the reply."""
+    """Run ``kind``'s handler in the worker; update ``context.state``'s declared keys; return the reply."""
     request = ("handle", kind, *_encode(msg, context), spawn_seconds)
     try:
         conn = _connect(sock, timeout=10)
     except (OSError, EOFError, AuthenticationError) as err:
         raise WorkerUnavailable(f"no model worker at {sock}: {err!r}") from err
-    try:
-        with conn:
+    with conn:
+        try:
             conn.send(request)
+            accepted = conn.recv()
+        except (OSError, EOFError) as err:  # it exited (idle) before taking the message: nothing ran
+            raise WorkerUnavailable(f"the model worker at {sock} exited before taking '{kind}': {err!r}") from err
+        if accepted != ("accepted",):
+            raise WorkerError(f"the model worker at {sock} answered {accepted!r} instead of accepting '{kind}'")
+        try:
             answer = conn.recv()
-    except (OSError, EOFError) as err:
-        raise WorkerError(f"the node's model worker ({sock}) went away during '{kind}': {err!r}") from err
+        except (OSError, EOFError) as err:
+            raise WorkerError(f"the node's model worker ({sock}) went away during '{kind}': {err!r}") from err
     if answer[0] == "error":
         raise WorkerError(answer[1])
     reply, worker_context = _decode(answer[1], answer[2])
-    state = worker_context.state
-    for key in [k for k in context.state if k.startswith(STATE_PREFIXES)]:
-        del context.state[key]
-    for key in [k for k in state if k.startswith(STATE_PREFIXES)]:
-        context.state[key] = state[key]
+    for key in answer[3]:  # the declared client-state keys: as the handler left them
+        if key in worker_context.state:
+            context.state[key] = worker_context.state[key]
+        elif key in context.state:
+            del context.state[key]
     return reply
 
 
@@ -184,11 +190,12 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
     from . import runtime
     from .handlers import handle
 
-    runtime.max_models = 1  # one node, one base model at a time
     log = get_logger("tessera.worker")
     activity = {"last": time.monotonic(), "busy": False}
+    lock = threading.Lock()  # the idle exit and the start of a message exclude each other
     _exit_when(lambda: not _alive(watch_pid), f"launcher process {watch_pid} is gone", sock, remove_dir=True)
-    _exit_when(lambda: not activity["busy"] and time.monotonic() - activity["last"] > idle_timeout, f"idle for {idle_timeout:.0f}s", sock)
+    _exit_when(lambda: not activity["busy"] and time.monotonic() - activity["last"] > idle_timeout,
+               f"idle for {idle_timeout:.0f}s", sock, lock=lock)
     listener = Listener(str(sock), family="AF_UNIX", backlog=16, authkey=_authkey(sock))  # ClientApps queue while busy
     log.info("model worker %d serving %s (app %s)", os.getpid(), sock, APP_DIR)
     while True:
@@ -203,11 +210,18 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
                 _cleanup(sock)
                 os._exit(0)
             _, kind, msg_bytes, ctx_bytes, spawn_seconds = request
-            activity["busy"] = True
+            with lock:
+                activity["busy"] = True
+            try:
+                conn.send(("accepted",))  # from here on the handler runs: the ClientApp must not retry elsewhere
+            except OSError:
+                activity.update(last=time.monotonic(), busy=False)
+                continue
             log.info("model worker: '%s' (its ClientApp process took %.1fs to hand it over)", kind, spawn_seconds)
             try:
                 msg, context = _decode(msg_bytes, ctx_bytes)
-                answer = ("ok", *_encode(handle(kind, msg, context, spawn_seconds), context))
+                reply = handle(kind, msg, context, spawn_seconds)
+                answer = ("ok", *_encode(reply, context), runtime.declared_state_keys(context))
             except Exception as err:  # the ClientApp raises it; the worker keeps serving
                 log.error("model worker: '%s' failed:\n%s", kind, traceback.format_exc())
                 answer = ("error", f"{type(err).__name__}: {err}")
@@ -228,17 +242,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _exit_when(condition, why: str, sock: Path, every: float = 1.0, remove_dir: bool = False) -> None:
-    def watch() -> None:
-        while not condition():
-            time.sleep(every)
-        print(f"[tessera] model worker {os.getpid()}: exiting, {why}", flush=True)
-        _cleanup(sock)
-        if remove_dir:  # the launcher is gone: nobody starts workers in its directory any more
-            import shutil
+def _exit_when(condition, why: str, sock: Path, every: float = 1.0, remove_dir: bool = False,
+               lock: threading.Lock | None = None) -> None:
+    """Exit the process once ``condition()`` holds; checked (and the exit done) under ``lock``, so that a message
+    the worker has accepted is never cut off, and a ClientApp whose message was not accepted can start another."""
+    guard = lock or threading.Lock()
 
-            shutil.rmtree(sock.parent, ignore_errors=True)
-        os._exit(0)
+    def watch() -> None:
+        while True:
+            with guard:
+                if condition():
+                    print(f"[tessera] model worker {os.getpid()}: exiting, {why}", flush=True)
+                    _cleanup(sock)
+                    if remove_dir:  # the launcher is gone: nobody starts workers in its directory any more
+                        import shutil
+
+                        shutil.rmtree(sock.parent, ignore_errors=True)
+                    os._exit(0)
+            time.sleep(every)
 
     threading.Thread(target=watch, daemon=True).start()
 

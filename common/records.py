@@ -22,7 +22,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 FITINS_ARRAYS, FITINS_CONFIG = "fitins.parameters", "fitins.config"
 FITRES_ARRAYS, FITRES_METRICS = "fitres.parameters", "fitres.metrics"
 FITRES_NUM_EXAMPLES, FITRES_STATUS = "fitres.num_examples", "fitres.status"
-ARRAYS, CONFIG, METRICS, SIGNATURE = "arrays", "config", "metrics", "signature"
+ARRAYS, CONFIG, METRICS, REPORT = "arrays", "config", "metrics", "report"
 PACKED = "packed"
 QUERY_INITIAL, QUERY_REPORT = "initial-adapter", "report"
 
@@ -170,7 +170,7 @@ def read_metrics(content: RecordDict) -> dict[str, Any]:
 
 
 def query_instruction(kind: str, config: dict[str, Any] | None = None) -> RecordDict:
-    """A QUERY message: ``initial-adapter`` (the client's fresh adapter and identity) or ``report`` (signature)."""
+    """A QUERY message: ``initial-adapter`` (the client's fresh adapter and identity) or ``report`` (the strategy's)."""
     return RecordDict({CONFIG: ConfigRecord({"query": kind, **(config or {})})})
 
 
@@ -190,28 +190,18 @@ def read_initial_reply(content: RecordDict) -> tuple[dict[str, np.ndarray], dict
     return arrays, identity
 
 
-def report_reply(signature: np.ndarray, salience: list[float], metrics: dict[str, Any]) -> RecordDict:
-    return RecordDict(
-        {SIGNATURE: ArrayRecord({SIGNATURE: Array(np.ascontiguousarray(signature, dtype=np.float32))}), METRICS: ConfigRecord({**metrics, "salience": [float(x) for x in salience]})}
-    )
+def report_reply(arrays: dict[str, np.ndarray], metrics: dict[str, Any]) -> RecordDict:
+    """A strategy's per-round report: named arrays (e.g. a signature) and metrics (numbers, lists of numbers)."""
+    return RecordDict({REPORT: to_array_record(arrays), METRICS: ConfigRecord(metrics)})
 
 
-def read_report_reply(content: RecordDict, num_blocks: int) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """Decode and validate a signature report: a finite, non-zero 1-D signature and one finite salience per block."""
-    if SIGNATURE not in content or SIGNATURE not in content.array_records[SIGNATURE]:
-        raise ReplyError(f"reply lacks the '{SIGNATURE}' array")
-    signature = content.array_records[SIGNATURE][SIGNATURE].numpy()
-    if signature.ndim != 1 or signature.size == 0:
-        raise ReplyError(f"signature must be a non-empty vector, got shape {signature.shape}")
-    if not np.all(np.isfinite(signature)):
-        raise ReplyError("signature contains NaN or Inf")
-    if not np.any(signature):
-        raise ReplyError("signature is all zeros (cosine relevance undefined)")
+def read_report_reply(content: RecordDict) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A report's arrays and metrics; the strategy validates what they mean (``Strategy.read_report``)."""
+    if REPORT not in content:
+        raise ReplyError(f"reply lacks the '{REPORT}' arrays")
+    arrays = from_array_record(content.array_records[REPORT])
     metrics = dict(content.config_records[METRICS]) if METRICS in content else {}
-    salience = np.asarray(metrics.pop("salience", []), dtype=np.float64)
-    if salience.shape != (num_blocks,) or not np.all(np.isfinite(salience)) or np.any(salience < 0):
-        raise ReplyError(f"salience must be {num_blocks} finite non-negative numbers, got {salience.tolist()}")
-    return signature.astype(np.float32), salience, metrics
+    return arrays, metrics
 
 
 def save_arrays(arrays: dict[str, np.ndarray], out_dir: str | Path) -> Path:

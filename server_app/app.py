@@ -15,11 +15,11 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.adapters.lora import save_peft_adapter
+from common.adapters import adapter_kind
 from common.config import ConfigError, RunConfig
 from common.logs import get_logger
-from common.records import metric_list, num_bytes, save_arrays
-from strategies import Strategy, build_strategy
+from common.records import metric_list, num_bytes
+from strategies import Strategy, strategy_spec
 from strategies.base import GroupResult
 
 from .rundir import RunDirectory
@@ -41,7 +41,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         log.error("%s", err)
         raise
     run = RunDirectory(cfg.run_dir)
-    strategy = build_strategy(cfg)
+    strategy = strategy_spec(cfg.strategy).server.from_config(cfg)
     node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.node_wait_timeout)
     log.info("strategy=%s secure=%s rounds=%d nodes=%s run-dir=%s", cfg.strategy, cfg.secure, cfg.num_server_rounds, node_ids, run.path)
 
@@ -80,19 +80,17 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         aggregate_started = time.perf_counter()
         strategy.update(server_round, results)
         aggregate_seconds = time.perf_counter() - aggregate_started
-        rows = _train_rows(results, aggregate_seconds)
+        rows = _train_rows(results, aggregate_seconds, {**adapter_kind(cfg.adapter).reply_metrics, **strategy.reply_metrics})
         for nid, extra in report_rows.items():
             rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra)
         rows[None].update(strategy.report())
         _evaluate_round(grid, cfg, strategy, run, server_round, node_ids, rows, started)
-        if "relevance" in rows[None]:
-            run.plot_relevance(server_round, rows[None])
+        strategy.plot_round(server_round, rows[None], run.path)
         run.save_checkpoint(server_round, strategy.name, strategy.state_dict(), {"nodes": node_ids})
 
     adapters = _save_adapters(cfg, strategy, run)
     plot = run.plot_eval_loss()
-    if cfg.adapter == "pqlora":
-        run.plot_gates()
+    strategy.plot_run(run.read_metrics(), run.path)
     log.info("done. metrics: %s | plot: %s | adapter: %s", run.metrics_path, plot, ", ".join(str(a) for a in adapters))
     print(f"[tessera] metrics: {run.metrics_path}\n[tessera] plot: {plot}\n[tessera] adapter: {', '.join(str(a) for a in adapters)}", flush=True)
     return run
@@ -121,11 +119,14 @@ def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:
 
 
 def _collect_reports(grid: Grid, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]) -> dict[int | None, dict[str, Any]]:
-    """Signatures for strategies that ask; malformed ones are left out of the relevance matrix with a reason."""
-    reports, rejected = collect_reports(grid, server_round, node_ids, cfg.pqlora.blocks, cfg.round_timeout)
-    strategy.observe_reports(server_round, reports)
-    rows: dict[int | None, dict[str, Any]] = {nid: {"signature_bytes": int(r.signature.nbytes)} for nid, r in reports.items()}
-    rows.update({nid: {"signature_rejected": why} for nid, why in rejected.items()})
+    """Reports for strategies that ask; malformed ones (and those the strategy leaves out) are logged with a reason."""
+    reports, rejected, sizes = collect_reports(grid, server_round, node_ids, strategy.read_report, cfg.round_timeout)
+    left_out = strategy.observe_reports(server_round, {n: r for n, r in reports.items()})
+    for nid, why in left_out.items():
+        log.warning("round %d: node %d's report left out: %s", server_round, nid, why)
+    rows: dict[int | None, dict[str, Any]] = {nid: {"report_bytes": size} for nid, size in sizes.items()}
+    for nid, why in {**rejected, **left_out}.items():
+        rows.setdefault(nid, {})["report_rejected"] = why
     return rows
 
 
@@ -136,7 +137,7 @@ def _train_round(grid: Grid, context: Context, cfg: RunConfig, strategy: Strateg
         log.info("round %d: training group %s (%d clients)%s", server_round, group.name, len(group.members), " via SecAgg+" if cfg.secure else "")
     if cfg.secure:  # one SecAgg+ protocol run per group
         examples_per_round = cfg.train.local_steps * cfg.train.batch_size * cfg.train.grad_accum_steps
-        results = [train_group_secure(grid, context, server_round, g, config, cfg.secagg, max_weight=examples_per_round) for g in groups]
+        results = [train_group_secure(grid, context, server_round, g, config, cfg.secagg, examples_per_round) for g in groups]
     else:
         results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout)
     for group, result in zip(groups, results):
@@ -149,13 +150,9 @@ def _train_round(grid: Grid, context: Context, cfg: RunConfig, strategy: Strateg
     return results
 
 
-# What PQ-LoRA clients add to their train metrics, copied into the per-node rows: alignment errors as they are,
-# gates and active blocks as lists (they travel comma-joined, see ``common.records.scalar_metrics``).
-CLIENT_ADAPTER_METRICS = ("align_error_before", "align_error_after")
-CLIENT_ADAPTER_LISTS = {"beta": float, "active_blocks": int}
-
-
-def _train_rows(results: list[GroupResult], aggregate_seconds: float) -> dict[int | None, dict[str, Any]]:
+def _train_rows(results: list[GroupResult], aggregate_seconds: float, extra: dict[str, type | None]) -> dict[int | None, dict[str, Any]]:
+    """Per node: the train metrics every run has, and ``extra``: what the adapter kind and the strategy add (numbers
+    as they are; lists, which travel comma-joined, see ``common.records.scalar_metrics``, decoded)."""
     rows: dict[int | None, dict[str, Any]] = {None: {"aggregate_seconds": aggregate_seconds, "rejected": {}}}
     for result in results:
         for nid, metrics in result.metrics.items():
@@ -169,8 +166,7 @@ def _train_rows(results: list[GroupResult], aggregate_seconds: float) -> dict[in
                 "bytes_down": metrics.get("bytes_down", 0),
                 "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),
                 "accepted": nid in result.contributors,
-                **{k: metrics[k] for k in CLIENT_ADAPTER_METRICS if k in metrics},
-                **{k: metric_list(metrics[k], kind) for k, kind in CLIENT_ADAPTER_LISTS.items() if k in metrics},
+                **{k: metrics[k] if kind is None else metric_list(metrics[k], kind) for k, kind in extra.items() if k in metrics},
             }
         rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
     return rows
@@ -185,7 +181,7 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
         metrics = evaluated.get(nid)
         row: dict[str, Any] = {"round": server_round, "node": nid, "seconds": seconds}
         row.update(train_rows.get(nid, {"bytes_up": 0, "bytes_down": 0}))
-        row["bytes_up"] = row.get("bytes_up", 0) + row.get("signature_bytes", 0)
+        row["bytes_up"] = row.get("bytes_up", 0) + row.get("report_bytes", 0)
         row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
         if isinstance(metrics, dict):
             row.update({k: metrics.get(k) for k in ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")})
@@ -212,13 +208,12 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
 
 
 def _save_adapters(cfg: RunConfig, strategy: Strategy, run: RunDirectory) -> list:
-    adapters = strategy.final_adapters()
-    if cfg.adapter == "pqlora":  # the server holds each client's global P/Q; clients save their full adapters
-        return [save_arrays(arrays, run.path / "adapters" / name) for name, arrays in adapters.items()]
-    if len(adapters) == 1:
-        (arrays,) = adapters.values()
-        return [save_peft_adapter(arrays, cfg.lora, cfg.model.name, run.path / "adapter")]
-    return [save_peft_adapter(arrays, cfg.lora, name, run.path / "adapters" / name) for name, arrays in adapters.items()]
+    """The strategy's final adapters, each written the way its adapter kind saves a server copy (PEFT for LoRA)."""
+    kind = adapter_kind(cfg.adapter)
+    return [
+        kind.save_server_copy(a.arrays, cfg, a.base_model, run.path / "adapters" / a.name if a.name else run.path / "adapter")
+        for a in strategy.final_adapters()
+    ]
 
 
 def _fmt(value) -> str:

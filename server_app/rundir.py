@@ -3,7 +3,8 @@
 Layout of ``<run-dir>``:
 - ``metrics.jsonl`` — one object per round and node (``node`` null for the aggregate row).
 - ``checkpoint/state.json`` + the ``checkpoint/state-<round>.npz`` it names — written atomically after every completed round.
-- ``eval_loss.png`` — per-client eval loss per round.
+- ``eval_loss.png`` — per-client eval loss per round; a strategy's own figures beside it (e.g. SimGrad's
+  ``relevance/`` and ``gates.png``).
 - ``adapter/`` (or ``adapters/<name>/``) — PEFT adapter directories loadable by ``PeftModel.from_pretrained``.
 """
 
@@ -81,15 +82,9 @@ class RunDirectory:
                 state.setdefault(group, {})[key] = data[flat_key]
         return meta, state
 
-    # plots (server_app/plots.py) ----------------------------------------------------------------------------
+    # plots (server_app/plots.py: what every run has; a strategy draws its own) ----------------------------------
     def plot_eval_loss(self) -> Path:
         return plots.eval_loss(self.read_metrics(), self.path / "eval_loss.png")
-
-    def plot_relevance(self, server_round: int, aggregate_row: dict[str, Any]) -> Path:
-        return plots.relevance(server_round, aggregate_row, self.path / "relevance" / f"round-{server_round:03d}.png")
-
-    def plot_gates(self) -> Path:
-        return plots.gates(self.read_metrics(), self.path / "gates.png")
 
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:

@@ -6,13 +6,14 @@ the group's ``send_back`` names (all of them, or the routed blocks). Plain mode 
 shapes, NaN/Inf, num_examples) and leaves bad ones out with a logged reason. Secure mode runs one
 ``SecAggPlusWorkflow`` for the group with a fresh ``LegacyContext`` whose legacy strategy only selects the group
 and captures the unmasked mean; clients refuse to mask a non-finite update, and SecAgg+ treats them as dropped.
-``query_clients`` and ``collect_reports`` gather the clients' identities and (for SimGrad) their per-round
-signature reports.
+``query_clients`` and ``collect_reports`` gather the clients' identities and (for strategies that ask) their
+per-round reports.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from common.records import (
     unpack,
 )
 from strategies.aggregation import weighted_mean
-from strategies.base import Arrays, ClientInfo, ClientReport, Group, GroupResult
+from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, Group, GroupResult
 
 log = get_logger("tessera.server")
 
@@ -70,11 +71,12 @@ def _short_reason(reason: str, limit: int = 400) -> str:
 
 
 def train_groups_plain(grid, server_round: int, groups: list[Group], config: dict[str, Any], timeout: float) -> list[GroupResult]:
-    """Train every member of every group at once; return each group's example-weighted mean of its valid replies."""
+    """Train every member of every group at once; return each group's weighted mean of its valid replies (each
+    member's weight as the group asked, ``Group.weight_by``, reported by the member)."""
     messages = []
     for group in groups:
         for nid in group.members:
-            instruction = train_instruction(group.start[nid], {**config, **group.config})
+            instruction = train_instruction(group.start[nid], member_config(group, config))
             messages.append(Message(instruction, dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round)))
     replies = _send(grid, messages, timeout)
     results = []
@@ -99,16 +101,32 @@ def train_groups_plain(grid, server_round: int, groups: list[Group], config: dic
     return results
 
 
+def member_config(group: Group, config: dict[str, Any]) -> dict[str, Any]:
+    """A member's train-instruction config: the round's, the group's, and how the member weighs its update."""
+    return {**config, **group.config, WEIGHT_BY: group.weight_by}
+
+
+def max_weight(group: Group, examples_per_round: int) -> float:
+    """SecAgg+'s ``max_weight`` for a group: the strategy's choice, else what its weighting can reach."""
+    if group.max_weight is not None:
+        return group.max_weight
+    return float(examples_per_round) if group.weight_by == WEIGHT_BY_EXAMPLES else 1.0
+
+
 def train_group_secure(
-    grid, context: Context, server_round: int, group: Group, config: dict[str, Any], cfg: SecAggSection, max_weight: float
+    grid, context: Context, server_round: int, group: Group, config: dict[str, Any], cfg: SecAggSection,
+    examples_per_round: int,
 ) -> GroupResult:
-    """The same contract as ``train_group_plain``, through one run of Flower's SecAgg+ protocol."""
+    """The same contract as ``train_groups_plain``, for one group, through one run of Flower's SecAgg+ protocol.
+
+    Members mask their update multiplied by weight / ``max_weight(group)`` (clipped at 1); the server unmasks the
+    sum and divides by the sum of the weights, which gives the plain path's weighted mean."""
     from flwr.server import LegacyContext
     from flwr.server.workflow import SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
     reference = group.reply_reference(group.members[0])  # what members send back (packed: one vector)
-    capture = _CaptureGroup(grid, context.run_id, group, {**config, **group.config})
+    capture = _CaptureGroup(grid, context.run_id, group, member_config(group, config))
     state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()})
     legacy = LegacyContext(
         Context(context.run_id, context.node_id, dict(context.node_config), state, dict(context.run_config)), strategy=capture
@@ -116,7 +134,7 @@ def train_group_secure(
     workflow = SecAggPlusWorkflow(
         num_shares=_as_share_param(cfg.num_shares),
         reconstruction_threshold=_as_share_param(cfg.reconstruction_threshold),
-        max_weight=max_weight,
+        max_weight=max_weight(group, examples_per_round),
         clipping_range=cfg.clipping_range,
         quantization_range=cfg.quantization_range,
         timeout=cfg.timeout,
@@ -203,29 +221,28 @@ def query_clients(grid, node_ids: list[int], timeout: float, required: bool = Tr
     return clients
 
 
-def collect_reports(grid, server_round: int, node_ids: list[int], num_blocks: int, timeout: float) -> tuple[dict[int, ClientReport], dict[int, str]]:
-    """Every node's sanitised signature and block salience; malformed reports are left out with a reason."""
+def collect_reports(
+    grid, server_round: int, node_ids: list[int], read_report: Callable[[Arrays, dict[str, Any]], Any], timeout: float
+) -> tuple[dict[int, Any], dict[int, str], dict[int, int]]:
+    """Every node's report for the strategy, validated by ``read_report``: the reports, the nodes left out (with
+    the reason) and each report's array bytes."""
     messages = [
-        Message(query_instruction(QUERY_REPORT, {"server-round": server_round}), dst_node_id=nid, message_type=MessageType.QUERY, group_id=f"report-{server_round}")
+        Message(query_instruction(QUERY_REPORT, {"server-round": server_round}), dst_node_id=nid,
+                message_type=MessageType.QUERY, group_id=f"report-{server_round}")
         for nid in node_ids
     ]
-    reports: dict[int, ClientReport] = {}
+    reports: dict[int, Any] = {}
     rejected: dict[int, str] = {}
+    sizes: dict[int, int] = {}
     for nid, reply in _send(grid, messages, timeout).items():
         try:
-            signature, salience, _ = read_report_reply(_content(reply), num_blocks)
-            reports[nid] = ClientReport(signature, salience)
+            arrays, metrics = read_report_reply(_content(reply))
+            reports[nid] = read_report(arrays, metrics)
+            sizes[nid] = num_bytes(arrays)
         except (ReplyError, KeyError, TypeError, ValueError) as err:
             rejected[nid] = str(err)
-    # Signatures are comparable only with the same probe and sketch: the length most clients sent wins.
-    lengths = [r.signature.size for r in reports.values()]
-    if lengths:
-        common = max(set(lengths), key=lengths.count)
-        for nid in [n for n, r in reports.items() if r.signature.size != common]:
-            rejected[nid] = f"signature has {reports.pop(nid).signature.size} numbers, the others {common} (another probe?)"
-    for nid, reason in rejected.items():
-        log.warning("round %d: node %d left out of the relevance matrix: %s", server_round, nid, reason)
-    return reports, rejected
+            log.warning("round %d: node %d's report left out: %s", server_round, nid, err)
+    return reports, rejected, sizes
 
 
 def wait_for_nodes(grid, minimum: int, timeout: float) -> list[int]:

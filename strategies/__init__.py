@@ -1,21 +1,19 @@
-"""Server strategies. Each file holds one strategy; their math is pure functions (``aggregation.py``, ``relevance.py``)."""
+"""Server strategies. Each is one package (server half, client half, config section, pure math, plots) reached
+through ``registry``; ``base`` and ``client`` are the two small bases, ``aggregation`` the shared group math."""
 
-from common.config import RunConfig
+from .base import ClientInfo, FinalAdapter, Group, GroupResult, Strategy
+from .client import StrategyClient
+from .registry import REGISTRY, StrategySpec, register, strategy_spec
 
-from .base import ClientInfo, ClientReport, Group, GroupResult, Strategy
-from .fedavg import FedAvg
-from .simgrad import SimGrad
-
-REGISTRY: dict[str, type[Strategy]] = {FedAvg.name: FedAvg, SimGrad.name: SimGrad}
-
-
-def build_strategy(cfg: RunConfig) -> Strategy:
-    """The strategy a validated run config asks for."""
-    if cfg.strategy == SimGrad.name:
-        return SimGrad(cfg.simgrad, secure=cfg.secure)
-    if cfg.strategy == FedAvg.name:
-        return FedAvg()
-    raise ValueError(f"strategy: '{cfg.strategy}' is not implemented (have {sorted(REGISTRY)})")
-
-
-__all__ = ["ClientInfo", "ClientReport", "FedAvg", "Group", "GroupResult", "SimGrad", "Strategy", "build_strategy", "REGISTRY"]
+__all__ = [
+    "REGISTRY",
+    "ClientInfo",
+    "FinalAdapter",
+    "Group",
+    "GroupResult",
+    "Strategy",
+    "StrategyClient",
+    "StrategySpec",
+    "register",
+    "strategy_spec",
+]

@@ -1,21 +1,33 @@
-"""The small abstract base every Tessera strategy implements.
+"""The small abstract base every Tessera strategy's server half implements.
 
-A round is: (for strategies that ask) ``observe_reports`` receives every client's sanitised signature and block
-salience; ``train_groups`` says which clients form each group and which adapter each member starts from; the
-ServerApp's transport (plain or SecAgg+, ``server_app.transport``) returns each group's weighted mean; ``update``
-combines those means into the strategy's new state. ``eval_arrays`` says which adapter a client is evaluated
-with. Strategies never see Flower messages, and their math lives in pure functions beside them.
+A round is: (for strategies that ask) ``observe_reports`` receives every client's report (e.g. SimGrad's
+sanitised signature and block salience), each validated by ``read_report``; ``train_groups`` says which clients
+form each group, which adapter each member starts from and how members are weighted; the ServerApp's transport
+(plain or SecAgg+, ``server_app.transport``) returns each group's weighted mean; ``update`` combines those means
+into the strategy's new state. ``eval_arrays`` says which adapter a client is evaluated with. Strategies never see
+Flower messages, and their math lives in pure functions beside them. Why this is not Flower's ``Strategy``: see
+the README ("Adding a strategy").
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
 Arrays = dict[str, np.ndarray]
+
+# How a member's update is weighted in its group's sum (``Group.weight_by``). The client reports the weight as its
+# reply's ``num_examples`` (what SecAgg+ multiplies by before masking), so plain and secure sums agree.
+WEIGHT_BY = "weight-by"  # the train-instruction config key that carries it
+WEIGHT_BY_EXAMPLES = "examples"  # the examples it trained on this round (FedAvg)
+WEIGHT_EQUALLY = "equal"  # 1 each: a plain mean (or, with max_weight 1, a plain sum's share)
 
 
 @dataclass
@@ -36,14 +48,6 @@ class ClientInfo:
 
 
 @dataclass
-class ClientReport:
-    """A client's per-round report to strategies that ask for one: a sanitised signature and block salience."""
-
-    signature: np.ndarray
-    salience: np.ndarray
-
-
-@dataclass
 class Group:
     """Clients whose updates are summed together (through SecAgg+ when secure).
 
@@ -52,12 +56,18 @@ class Group:
         start: per member node id, the adapter it trains from this round.
         send_back: the array names members return (default: every name in ``start``).
         config: extra train-instruction settings for the members (e.g. which adapter blocks are active).
+        weight_by: each member's weight in the group's sum: ``"examples"``, ``"equal"`` or a name the strategy's
+            client half knows (``StrategyClient.member_weight``); the client reports it as a whole number.
+        max_weight: SecAgg+'s ``max_weight`` for this group (weights are divided by it and clipped at 1 before
+            masking); None: the examples a member may train per round for ``"examples"``, else 1.
     """
 
     name: str
     start: dict[int, Arrays]
     send_back: list[str] | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    weight_by: str = WEIGHT_BY_EXAMPLES
+    max_weight: float | None = None
 
     @property
     def members(self) -> list[int]:
@@ -88,24 +98,53 @@ class GroupResult:
     metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
-class Strategy(ABC):
-    """Abstract base: state, grouping and the combination of group means.
+@dataclass
+class FinalAdapter:
+    """An adapter the server saves at the end of a run.
 
     Attributes:
-        name: the run-config value that selects the strategy.
-        wants_reports: True if the ServerApp must collect a ``ClientReport`` from every client each round.
+        name: its directory under ``adapters/``; empty for the run's single adapter (saved as ``adapter/``).
+        base_model: the base model it belongs to (written into PEFT's ``adapter_config.json``).
+        arrays: its weights.
     """
 
-    name: str = "abstract"
-    wants_reports: bool = False
+    name: str
+    base_model: str
+    arrays: Arrays
+
+
+class Strategy(ABC):
+    """Abstract base of a strategy's server half: state, grouping and the combination of group means.
+
+    Attributes:
+        name: the run-config value that selects the strategy (its registry entry).
+        wants_reports: True if the ServerApp must ask every client for a report each round, before training.
+        reply_metrics: train-reply metrics the client half adds, copied into the per-node rows of metrics.jsonl
+            (name -> element type of a list metric, or None for a number).
+    """
+
+    name: ClassVar[str] = "abstract"
+    wants_reports: ClassVar[bool] = False
+    reply_metrics: ClassVar[dict[str, type | None]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Strategy:
+        """The strategy for a validated run config (override to read the strategy's own section)."""
+        return cls()
 
     @abstractmethod
     def initialise(self, clients: dict[int, ClientInfo]) -> None:
         """Add clients (node id -> info): those connected before round 1, and later any node that joins (a restarted
         SuperNode has a new node id). Raises ValueError if they cannot take part (e.g. incompatible adapters)."""
 
-    def observe_reports(self, server_round: int, reports: dict[int, ClientReport]) -> None:
-        """Receive this round's valid client reports (only called when ``wants_reports``)."""
+    def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> Any:
+        """Validate and decode one client's report (raise ValueError with the reason to leave it out)."""
+        raise NotImplementedError(f"strategy {self.name} asks for no reports")
+
+    def observe_reports(self, server_round: int, reports: dict[int, Any]) -> dict[int, str]:
+        """Receive this round's valid reports (only called when ``wants_reports``); return the nodes left out of
+        them on second thought (e.g. reports that disagree with the majority), with the reason."""
+        return {}
 
     def report(self) -> dict[str, Any]:
         """Diagnostics of the last round for the metrics file (e.g. a relevance matrix); JSON-friendly."""
@@ -131,6 +170,14 @@ class Strategy(ABC):
     def load_state_dict(self, state: dict[str, Arrays]) -> None:
         """Restore from ``state_dict``."""
 
-    def final_adapters(self) -> dict[str, Arrays]:
-        """Adapters to save at the end, by directory name (default: the whole state)."""
-        return self.state_dict()
+    @abstractmethod
+    def final_adapters(self) -> list[FinalAdapter]:
+        """Adapters to save at the end."""
+
+    def plot_round(self, server_round: int, aggregate_row: dict[str, Any], run_dir: Path) -> list[Path]:
+        """Figures of one round, drawn from its aggregate metrics row (default: none)."""
+        return []
+
+    def plot_run(self, rows: list[dict[str, Any]], run_dir: Path) -> list[Path]:
+        """Figures of the whole run, drawn from every metrics row (default: none; the eval-loss plot is shared)."""
+        return []

@@ -1,12 +1,13 @@
 """Client-side PQ-LoRA state: one process serves several virtual clients with ONE model, so each client's local
-P/Q, gates and last global part live in its own Flower ``context.state`` and never leak into another client."""
+P/Q, gates and last global part live in its own ``ClientState`` and never leak into another client; state under
+an undeclared key is refused; SimGrad's client half aligns what is sent."""
 
 import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from client_app.adapters import PQLoraAdapter
-from common.adapters.pqlora import get_pq_arrays
+from common.adapters import ClientState, UndeclaredStateError
+from common.adapters.pqlora import PQLoraAdapter, get_pq_arrays
 from common.config import RunConfig
 from common.data import Example
 from common.model import load_base_model, load_tokenizer
@@ -15,8 +16,9 @@ from common.training import train_round
 EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8)]
 
 
-def context(node_id: int) -> Context:
-    return Context(run_id=1, node_id=node_id, node_config={}, state=RecordDict(), run_config={})
+def context(node_id: int) -> ClientState:
+    ctx = Context(run_id=1, node_id=node_id, node_config={}, state=RecordDict(), run_config={})
+    return ClientState(ctx.state, PQLoraAdapter.state_keys)
 
 
 @pytest.fixture()
@@ -34,7 +36,7 @@ def test_local_state_is_per_client_and_only_active_blocks_travel(adapter):
     train_round(pq.model, tokenizer, EXAMPLES, cfg.train_settings(), 0.05, seed=0)
     sent, metrics = pq.outgoing([1])
     pq.end(alice)
-    assert sorted(sent) == sorted(k for k in pq.names if k.startswith("block1."))  # routing: block 0 stays home
+    assert sorted(sent) == sorted(k for k in pq.initial if k.startswith("block1."))  # routing: block 0 stays home
     assert metrics["active_blocks"] == [1] and len(metrics["beta"]) == 2
     assert np.abs(sent["block1.q_proj.P"]).sum() > 0
 
@@ -51,14 +53,29 @@ def test_local_state_is_per_client_and_only_active_blocks_travel(adapter):
 
 
 def test_alignment_reports_errors_once_a_reference_exists(adapter):
+    from types import SimpleNamespace
+
+    from strategies.simgrad import SimGradClient
+
     pq, tokenizer, cfg = adapter
+    simgrad, rt = SimGradClient(cfg), SimpleNamespace(adapter=pq)
     ctx = context(3)
     pq.begin(ctx, None)
     pq.prepare_training(None)
     train_round(pq.model, tokenizer, EXAMPLES, cfg.train_settings(), 0.05, seed=0)
-    _, first = pq.outgoing(None)
+    _, first = simgrad.outgoing(rt, pq.outgoing(None)[0], None)
     assert "align_error_before" not in first  # round 1: the global part is still zero, nothing to align to
     rng = np.random.default_rng(0)
     pq.begin(ctx, {k: rng.normal(size=v.shape).astype(np.float32) for k, v in pq.initial.items()})
-    _, later = pq.outgoing(None)
+    _, later = simgrad.outgoing(rt, pq.outgoing(None)[0], None)
     assert later["align_error_after"] <= later["align_error_before"]
+
+
+def test_client_state_refuses_undeclared_keys():
+    state = ClientState(RecordDict(), ("pqlora.local",))
+    state.put("pqlora.local", {"x": np.ones(2, np.float32)})
+    np.testing.assert_array_equal(state.get("pqlora.local")["x"], 1.0)
+    with pytest.raises(UndeclaredStateError, match="not declared"):
+        state.put("myadapter.extra", {"x": np.ones(2, np.float32)})
+    with pytest.raises(UndeclaredStateError):
+        state.get("simgrad.ema")

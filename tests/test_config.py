@@ -2,6 +2,7 @@ import tomllib
 
 import pytest
 
+from common.adapters.lora import LoraSection
 from common.config import ConfigError, RunConfig
 from conftest import ROOT
 
@@ -55,7 +56,7 @@ def test_invalid_values_name_their_key(override, key):
 
 def test_csv_lists_and_nesting():
     cfg = RunConfig.from_flat({"lora.target-modules": "q_proj, k_proj ,v_proj", "data.tasks": "boolq"})
-    assert cfg.lora.target_modules == ["q_proj", "k_proj", "v_proj"]
+    assert cfg.section(LoraSection).target_modules == ["q_proj", "k_proj", "v_proj"]
     assert cfg.data.tasks == ["boolq"]
     with pytest.raises(ConfigError, match="lora"):
         RunConfig.from_flat({"lora": 3, "lora.r": 4})

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.signatures import count_sketch, probe_gradient, sanitize_signature
-from strategies.relevance import (
+from strategies.simgrad.signatures import count_sketch, probe_gradient, sanitize_signature
+from strategies.simgrad.relevance import (
     cosine_relevance,
     group_by_relevance,
     group_weights,

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from common.config import SimGradSection
-from strategies import ClientInfo, ClientReport, GroupResult, SimGrad
+from strategies import ClientInfo, GroupResult
+from strategies.simgrad import ClientReport, SimGrad, SimGradSection
 
 R = 2
 NAMES = [f"block{b}.{p}.{k}" for b in range(2) for p in ("q_proj", "v_proj") for k in ("P", "Q")]

@@ -11,6 +11,7 @@ from common.records import read_train_instruction, report_reply, train_reply
 from server_app.transport import collect_reports, train_groups_plain
 from strategies.aggregation import weighted_mean
 from strategies.base import ClientInfo, Group
+from strategies.simgrad import SimGrad, SimGradSection
 
 pytestmark = pytest.mark.usefixtures("task_identity")  # Messages built outside an app (conftest)
 
@@ -114,25 +115,37 @@ def test_groups_train_in_one_batch_and_return_only_their_send_back_names():
 def test_malformed_signatures_are_left_out_of_the_relevance_matrix_with_a_reason(caplog):
     good_sig = np.ones(12, np.float32)
     behaviour = {
-        1: lambda content: report_reply(good_sig, [0.1, 0.2], {}),
-        2: lambda content: report_reply(good_sig * 2, [0.3, 0.0], {}),
-        3: lambda content: report_reply(np.full(12, np.nan, np.float32), [0.1, 0.1], {}),  # NaN
-        4: lambda content: report_reply(np.zeros(12, np.float32), [0.1, 0.1], {}),  # all zeros
-        5: lambda content: report_reply(np.ones(7, np.float32), [0.1, 0.1], {}),  # another probe's length
-        6: lambda content: report_reply(good_sig, [0.1], {}),  # salience for the wrong number of blocks
-        7: lambda content: RecordDict(),  # no signature at all
+        1: lambda content: signature_report(good_sig, [0.1, 0.2]),
+        2: lambda content: signature_report(good_sig * 2, [0.3, 0.0]),
+        3: lambda content: signature_report(np.full(12, np.nan, np.float32), [0.1, 0.1]),  # NaN
+        4: lambda content: signature_report(np.zeros(12, np.float32), [0.1, 0.1]),  # all zeros
+        5: lambda content: signature_report(np.ones(7, np.float32), [0.1, 0.1]),  # another probe's length
+        6: lambda content: signature_report(good_sig, [0.1]),  # salience for the wrong number of blocks
+        7: lambda content: RecordDict(),  # no report at all
+        8: lambda content: report_reply({"sig": good_sig}, {"salience": [0.1, 0.1]}),  # not a signature
     }
+    strategy = SimGrad(SimGradSection())
+    two_blocks = {f"block{b}.q_proj.{k}": np.zeros((2, 2) if k == "P" else (2,), np.float32) for b in (0, 1) for k in "PQ"}
+    strategy.initialise({n: ClientInfo(n, n, "m", two_blocks) for n in behaviour})
     server_log = logging.getLogger("tessera.server")
     server_log.addHandler(caplog.handler)
     try:
-        reports, rejected = collect_reports(InMemoryGrid(behaviour), 1, sorted(behaviour), num_blocks=2, timeout=1.0)
+        reports, rejected, sizes = collect_reports(InMemoryGrid(behaviour), 1, sorted(behaviour), strategy.read_report, 1.0)
+        left_out = strategy.observe_reports(1, reports)
     finally:
         server_log.removeHandler(caplog.handler)
-    assert sorted(reports) == [1, 2] and sorted(rejected) == [3, 4, 5, 6, 7]
-    assert "NaN" in rejected[3] and "zeros" in rejected[4] and "7 numbers" in rejected[5]
-    assert "salience" in rejected[6] and "signature" in rejected[7]
+    assert sorted(reports) == [1, 2, 5] and sorted(rejected) == [3, 4, 6, 7, 8]
+    assert "NaN" in rejected[3] and "zeros" in rejected[4] and "salience" in rejected[6]
+    assert "report" in rejected[7] and "signature" in rejected[8]
+    assert list(left_out) == [5] and "7 numbers" in left_out[5]  # the majority's signature length wins
+    assert strategy.report()["relevance_nodes"] == [1, 2]
     np.testing.assert_allclose(reports[2].salience, [0.3, 0.0])
-    assert sum("left out of the relevance matrix" in rec.message for rec in caplog.records) == 5
+    assert sizes[1] == good_sig.nbytes
+    assert sum("report left out" in rec.message for rec in caplog.records) == 5
+
+
+def signature_report(signature, salience):
+    return report_reply({"signature": signature}, {"salience": salience})
 
 
 def test_a_late_node_that_does_not_answer_is_asked_once():

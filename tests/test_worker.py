@@ -73,7 +73,7 @@ def test_worker_keeps_the_model_and_the_client_state(tiny_llama_dir, tmp_path, l
     update, n, metrics = read_train_reply(reply.content, initial)
     assert n >= 1 and np.isfinite(metrics["train_loss"])
     assert metrics["pid"] == identity["pid"] and metrics["model-loads"] == 1  # the same process, the model loaded once
-    # PQ-LoRA's client-local state came back into Flower's context; other keys were left alone
+    # the declared client state (PQ-LoRA's and SimGrad's) came back into Flower's context; other keys were left alone
     assert {"pqlora.local", "pqlora.global"} <= set(context.state) and "secaggplus.mine" in context.state
     local_after_train = dict(context.state["pqlora.local"])
 
@@ -96,16 +96,19 @@ def test_worker_exits_when_its_launcher_is_gone(tiny_llama_dir, tmp_path, launch
     assert worker._listening(sock)
     launcher.kill()
     launcher.wait()
-    assert wait_until(lambda: not sock.parent.exists(), timeout=20), "the worker outlived its SuperExec"
+    assert wait_until(lambda: not sock.parent.exists(), timeout=120), "the worker outlived its SuperExec"
 
 
 def test_an_idle_worker_exits_and_the_next_message_starts_another(tiny_llama_dir, tmp_path, launcher):
-    context = Context(run_id=1, node_id=7, node_config={"worker": "on", "worker-idle-timeout": 2}, state=RecordDict(),
+    """Whenever the idle exit happens (even while a message is on its way: the worker accepts a message or exits,
+    under one lock, and a message it did not accept goes to a new worker), every message gets its answer."""
+    context = Context(run_id=1, node_id=7, node_config={"worker": "on", "worker-idle-timeout": 1}, state=RecordDict(),
                       run_config=run_config(tiny_llama_dir, tmp_path))
-    first = read_initial_reply(app.dispatch("query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context).content)[1]
+    query = message(query_instruction(QUERY_INITIAL), MessageType.QUERY)
+    first = read_initial_reply(app.dispatch("query", query, context).content)[1]
     sock = worker.socket_path(subprocess.os.getppid())
-    assert wait_until(lambda: not worker._listening(sock), timeout=30), "the idle worker did not exit"
-    second = read_initial_reply(app.dispatch("query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context).content)[1]
+    assert wait_until(lambda: not worker._listening(sock), timeout=120), "the idle worker did not exit"
+    second = read_initial_reply(app.dispatch("query", query, context).content)[1]
     assert second["pid"] != first["pid"] and second["model-loads"] == 1
 
 
@@ -128,17 +131,38 @@ def test_worker_mode_is_validated_and_auto_means_deployment_only():
     assert not app.use_worker({})  # pytest is not a per-message flwr-clientapp process
 
 
-def test_a_node_keeps_one_base_model(tiny_llama_dir, tmp_path, monkeypatch):
-    """The model worker lives across runs: a run with another model or adapter config frees the old model first."""
+def test_clients_with_different_lora_ranks_share_one_base_model(tiny_llama_dir, tmp_path, monkeypatch):
+    """One base model per (model, quantisation, device): a client of rank 2 and one of rank 4 in one process (as
+    ATLAS's per-client ranks will be) load it once; each gets its own adapter shapes on top of it."""
     from client_app import runtime
 
-    monkeypatch.setattr(runtime, "max_models", 1)
+    monkeypatch.setattr(runtime, "_MODELS", {})
+    loads = runtime.model_loads
+
+    def context(rank: int) -> Context:
+        config = run_config(tiny_llama_dir, tmp_path, **{"lora.r": rank})
+        return Context(run_id=1, node_id=rank, node_config={}, state=RecordDict(), run_config=config)
+
+    rank2 = runtime.get_runtime(context(2)).adapter.initial
+    rank4 = runtime.get_runtime(context(4)).adapter.initial
+    again = runtime.get_runtime(context(2)).adapter.initial
+    assert runtime.model_loads == loads + 1 and len(runtime._MODELS) == 1
+    assert {v.shape for k, v in rank2.items() if "lora_A" in k} == {(2, 32)}
+    assert {v.shape for k, v in rank4.items() if "lora_A" in k} == {(4, 32)}
+    assert rank2.keys() == again.keys() and all(np.array_equal(rank2[k], again[k]) for k in rank2)  # same seeded init
+
+
+def test_a_new_run_with_another_base_model_frees_the_old_one(tiny_llama_dir, tmp_path, monkeypatch):
+    """A long-lived node (the model worker) keeps the base models its current run uses and frees the others."""
+    from client_app import runtime
+
     monkeypatch.setattr(runtime, "_MODELS", {})
 
-    def context(r: int) -> Context:
-        return Context(run_id=r, node_id=7, node_config={}, state=RecordDict(), run_config=run_config(tiny_llama_dir, tmp_path, **{"lora.r": r}))
+    def context(run_id: int, quantization: str) -> Context:
+        config = run_config(tiny_llama_dir, tmp_path, **{"model.quantization": quantization})
+        return Context(run_id=run_id, node_id=7, node_config={}, state=RecordDict(), run_config=config)
 
-    first = runtime.get_runtime(context(2))
-    second = runtime.get_runtime(context(4))
-    assert len(runtime._MODELS) == 1 and second.adapter is not first.adapter
-    assert next(iter(runtime._MODELS))[4] == second.cfg.lora.model_dump_json()  # the newest config is the one kept
+    runtime.get_runtime(context(1, "fp32"))
+    runtime.get_runtime(context(1, "fp32"))
+    runtime.get_runtime(context(2, "bf16"))
+    assert [key[1] for key in runtime._MODELS] == ["bf16"]

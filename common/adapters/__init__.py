@@ -1,5 +1,33 @@
-"""Adapters trained on top of a frozen (4-bit) base model. Only their parameters ever leave a client."""
+"""Adapter kinds trained on top of a frozen (4-bit) base model. Only their parameters ever leave a client.
 
-from .lora import attach_lora, get_adapter_arrays, lora_config, save_peft_adapter, set_adapter_arrays
+Each kind is one place (``lora/``, ``pqlora/``: config, per-layer math, model surgery, the client-side kind) and
+implements ``base.AdapterKind``; ``ADAPTER_KINDS`` is the one list of them.
+"""
 
-__all__ = ["attach_lora", "get_adapter_arrays", "lora_config", "save_peft_adapter", "set_adapter_arrays"]
+from .base import AdapterKind, Arrays, ClientState, UndeclaredStateError
+from .lora import LoraAdapter, attach_lora, get_adapter_arrays, lora_config, save_peft_adapter, set_adapter_arrays
+from .pqlora import PQLoraAdapter
+
+ADAPTER_KINDS: dict[str, type[AdapterKind]] = {LoraAdapter.name: LoraAdapter, PQLoraAdapter.name: PQLoraAdapter}
+
+
+def adapter_kind(name: str) -> type[AdapterKind]:
+    """The adapter kind called ``name``."""
+    if name not in ADAPTER_KINDS:
+        raise ValueError(f"adapter: '{name}' is not an adapter kind (have {sorted(ADAPTER_KINDS)})")
+    return ADAPTER_KINDS[name]
+
+
+__all__ = [
+    "ADAPTER_KINDS",
+    "AdapterKind",
+    "Arrays",
+    "ClientState",
+    "UndeclaredStateError",
+    "adapter_kind",
+    "attach_lora",
+    "get_adapter_arrays",
+    "lora_config",
+    "save_peft_adapter",
+    "set_adapter_arrays",
+]

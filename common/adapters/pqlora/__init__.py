@@ -1,16 +1,18 @@
 """PQ-LoRA (FedMosaic): frozen seeded orthogonal A/B, trainable width-independent r x r P and r-vector Q.
 
 Laid out like peft's ``tuners/lora``: ``config`` (what), ``layer`` (per-layer math), ``model`` (surgery and I/O);
-``alignment`` is the data-free Procrustes alignment of P/Q (pure numpy).
+``adapter`` the adapter kind a client trains; ``alignment`` the data-free Procrustes alignment of P/Q (pure numpy).
 """
 
 from .alignment import align_arrays, align_pq, procrustes_rotation, synthetic_anchors
-from .config import PQLoraConfig
+from .adapter import PQLoraAdapter
+from .config import PQLoraConfig, PQLoraSection
 from .layer import PQLoraGates, PQLoraLinear, derive_seed, seeded_orthonormal
 from .model import (
     adapters_disabled,
     attach_pqlora,
     block_grad_norms,
+    detach_pqlora,
     find_decoder_blocks,
     get_gates,
     get_local_state,
@@ -25,7 +27,9 @@ from .model import (
 )
 
 __all__ = [
+    "PQLoraAdapter",
     "PQLoraConfig",
+    "PQLoraSection",
     "PQLoraGates",
     "PQLoraLinear",
     "adapters_disabled",
@@ -34,6 +38,7 @@ __all__ = [
     "attach_pqlora",
     "block_grad_norms",
     "derive_seed",
+    "detach_pqlora",
     "find_decoder_blocks",
     "get_gates",
     "get_local_state",

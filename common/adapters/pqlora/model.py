@@ -84,6 +84,17 @@ def attach_pqlora(model: nn.Module, cfg: PQLoraConfig) -> nn.Module:
     return model
 
 
+def detach_pqlora(model: nn.Module) -> nn.Module:
+    """Undo ``attach_pqlora``: every PQLoraLinear back to its base layer, the gates removed."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, PQLoraLinear):
+                setattr(module, child_name, child.base_layer)
+    if hasattr(model, "pqlora_gates"):
+        del model.pqlora_gates
+    return model
+
+
 def get_pq_arrays(model: nn.Module, part: str = "local",
                   blocks: Iterable[int] | None = None) -> dict[str, np.ndarray]:
     """float32 copies of P_L/Q_L (``part="local"``) or P_G/Q_G (``"global"``), names sorted, optionally some blocks."""

@@ -1,6 +1,6 @@
 """SimGrad relevance math as pure functions (NumPy in, NumPy out; no Flower, no torch).
 
-Each client sends a sanitised gradient signature (see ``common.signatures``); the server turns the signatures into
+Each client sends a sanitised gradient signature (see ``signatures.py``); the server turns the signatures into
 a relevance matrix S (cosine), a row-stochastic mixing matrix W (row softmax with a temperature) and, for every
 client i, a personalised aggregate sum_j w_ij x_j. Under SecAgg+ the server only sees group sums, so the secure
 path groups clients by relevance (``group_by_relevance``) and mixes group means (``mix_group_means``).

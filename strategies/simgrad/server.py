@@ -16,14 +16,17 @@ global parts are kept. The math lives in ``strategies/relevance.py``.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.config import SimGradSection
 from common.logs import get_logger
 
-from .base import Arrays, ClientInfo, ClientReport, Group, GroupResult, Strategy
+from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
+from . import plots
+from .config import SimGradSection
 from .relevance import (
     cosine_relevance,
     group_by_relevance,
@@ -33,7 +36,18 @@ from .relevance import (
     route_blocks,
 )
 
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
 log = get_logger("tessera.server")
+
+
+@dataclass
+class ClientReport:
+    """A client's per-round report: its sanitised signature and the salience of each adapter block."""
+
+    signature: np.ndarray
+    salience: np.ndarray
 
 
 def block_of(name: str) -> int:
@@ -53,12 +67,14 @@ class SimGrad(Strategy):
 
     name = "simgrad"
     wants_reports = True
+    reply_metrics = {"align_error_before": None, "align_error_after": None}
 
     def __init__(self, cfg: SimGradSection, secure: bool = False) -> None:
         self.cfg = cfg
         self.secure = secure
         self.partition_of: dict[int, int] = {}
         self.model_of: dict[int, str] = {}
+        self.model_of_partition: dict[int, str] = {}
         self.global_by_partition: dict[int, Arrays] = {}
         self.names: list[str] = []
         self._shapes: dict[str, tuple] = {}  # the P/Q names and shapes every client must have
@@ -67,6 +83,10 @@ class SimGrad(Strategy):
         self.weights = np.zeros((0, 0))
         self.groups: list[list[int]] = []  # indices into self.nodes
         self.active: list[list[int]] = []  # per group: the blocks trained and sent
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> SimGrad:
+        return cls(cfg.section(SimGradSection), secure=cfg.secure)
 
     # ------------------------------------------------------------------------------------------------------
     def initialise(self, clients: dict[int, ClientInfo]) -> None:
@@ -78,11 +98,45 @@ class SimGrad(Strategy):
         for nid, info in clients.items():
             self.partition_of[nid] = info.partition_id
             self.model_of[nid] = info.model
+            self.model_of_partition[info.partition_id] = info.model
             self.global_by_partition.setdefault(info.partition_id, {k: v.copy() for k, v in info.initial.items()})
         self._shapes = reference
         self.names = sorted(reference)
 
-    def observe_reports(self, server_round: int, reports: dict[int, ClientReport]) -> None:
+    def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> ClientReport:
+        """A finite, non-zero 1-D signature and one finite, non-negative salience per adapter block."""
+        signature = arrays.get("signature")
+        if signature is None:
+            raise ValueError("report lacks the 'signature' array")
+        if signature.ndim != 1 or signature.size == 0:
+            raise ValueError(f"signature must be a non-empty vector, got shape {signature.shape}")
+        if not np.all(np.isfinite(signature)):
+            raise ValueError("signature contains NaN or Inf")
+        if not np.any(signature):
+            raise ValueError("signature is all zeros (cosine relevance undefined)")
+        num_blocks = len({block_of(k) for k in self.names})
+        try:
+            salience = np.asarray(metrics.get("salience", []), dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"salience must be numbers, got {metrics.get('salience')!r}") from None
+        if salience.shape != (num_blocks,) or not np.all(np.isfinite(salience)) or np.any(salience < 0):
+            raise ValueError(f"salience must be {num_blocks} finite non-negative numbers, got {salience.tolist()}")
+        return ClientReport(signature.astype(np.float32), salience)
+
+    def observe_reports(self, server_round: int, reports: dict[int, ClientReport]) -> dict[int, str]:
+        # Signatures are comparable only with the same probe and sketch: the length most clients sent wins.
+        left_out: dict[int, str] = {}
+        lengths = [r.signature.size for r in reports.values()]
+        if lengths:
+            common = max(set(lengths), key=lengths.count)
+            for nid, report in reports.items():
+                if report.signature.size != common:
+                    left_out[nid] = f"signature has {report.signature.size} numbers, the others {common} (another probe?)"
+        reports = {nid: r for nid, r in reports.items() if nid not in left_out}
+        self._relevance(server_round, reports)
+        return left_out
+
+    def _relevance(self, server_round: int, reports: dict[int, ClientReport]) -> None:
         # matrix order = partition order, so heatmaps and metrics read the same across runs (node ids are random)
         self.nodes = sorted((nid for nid in reports if nid in self.partition_of), key=lambda nid: self.partition_of[nid])
         if not self.nodes:
@@ -152,8 +206,22 @@ class SimGrad(Strategy):
         }
 
     # ------------------------------------------------------------------------------------------------------
+    def plot_round(self, server_round: int, aggregate_row: dict[str, Any], run_dir: Path) -> list[Path]:
+        if not aggregate_row.get("relevance"):
+            return []
+        return [plots.relevance(server_round, aggregate_row, run_dir / "relevance" / f"round-{server_round:03d}.png")]
+
+    def plot_run(self, rows: list[dict[str, Any]], run_dir: Path) -> list[Path]:
+        return [plots.gates(rows, run_dir / "gates.png")]
+
+    # ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Arrays]:
         return {f"client-{pid}": arrays for pid, arrays in sorted(self.global_by_partition.items())}
+
+    def final_adapters(self) -> list[FinalAdapter]:
+        """Each client's global P/Q (a client saves its full adapter itself: its local parts never leave it)."""
+        return [FinalAdapter(f"client-{pid}", self.model_of_partition.get(pid, ""), arrays)
+                for pid, arrays in sorted(self.global_by_partition.items())]
 
     def load_state_dict(self, state: dict[str, Arrays]) -> None:
         for key, arrays in state.items():

@@ -12,7 +12,7 @@ import re
 
 from common.logs import get_logger
 
-from .base import Arrays, ClientInfo, Group, GroupResult, Strategy
+from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
 
 log = get_logger("tessera.server")
 
@@ -33,12 +33,14 @@ class FedAvg(Strategy):
 
     def __init__(self) -> None:
         self.family_of: dict[int, str] = {}  # node id -> family
+        self.model_of_family: dict[str, str] = {}  # family -> the base model's name as the clients gave it
         self.global_arrays: dict[str, Arrays] = {}  # family -> adapter
 
     def initialise(self, clients: dict[int, ClientInfo]) -> None:
         for nid, info in sorted(clients.items()):
             family = family_key(info.model)
             self.family_of[nid] = family
+            self.model_of_family.setdefault(family, info.model)
             self.global_arrays.setdefault(family, {k: v.copy() for k, v in info.initial.items()})
         if len(self.global_arrays) > 1:
             log.info("fedavg: %d model families, averaged separately: %s", len(self.global_arrays), sorted(self.global_arrays))
@@ -77,7 +79,7 @@ class FedAvg(Strategy):
                 raise ValueError(f"resume: the checkpoint has no adapter for model family '{family}' (has {sorted(state)})")
             self.global_arrays[family] = state[f"global-{family}"]
 
-    def final_adapters(self) -> dict[str, Arrays]:
-        if len(self.global_arrays) == 1:
-            return self.state_dict()
-        return dict(self.global_arrays)
+    def final_adapters(self) -> list[FinalAdapter]:
+        single = len(self.global_arrays) == 1
+        return [FinalAdapter("" if single else family, self.model_of_family.get(family, family), arrays)
+                for family, arrays in self.global_arrays.items()]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .data import Example
-from .training import IGNORE, collate, encode
+from common.data import Example
+from common.training import IGNORE, collate, encode
 
 
 def count_sketch(vocab_size: int, buckets: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Plain LoRA through peft: attach, read and write the adapter as named float32 arrays, save a PEFT directory.
+"""LoRA model surgery through peft: attach, detach, read and write the adapter as named float32 arrays, save a PEFT directory.
 
 The arrays use peft's own state-dict names (``get_peft_model_state_dict``), so what travels, what the server
 checkpoints and what ``PeftModel.from_pretrained`` loads are the same keys.
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import LoraSection
+from .config import LoraSection
 
 
 def lora_config(cfg: LoraSection, base_model_name: str = ""):
@@ -37,6 +37,11 @@ def attach_lora(model, cfg: LoraSection, seed: int = 0):
         raise ValueError(f"lora.target-modules: {missing} match no module of the base model")
     torch.manual_seed(seed)
     return get_peft_model(model, lora_config(cfg))
+
+
+def detach_lora(peft_model):
+    """Remove the LoRA layers; the base model as it was before ``attach_lora``."""
+    return peft_model.unload()
 
 
 def get_adapter_arrays(peft_model) -> dict[str, np.ndarray]:

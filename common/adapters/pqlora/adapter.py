@@ -1,0 +1,110 @@
+"""The PQ-LoRA adapter kind on a shared base model (FedMosaic's client side).
+
+A client keeps its local P_L/Q_L and gates (which never leave it in secure mode) and its last received global
+P_G/Q_G in its ``ClientState``; the server sends P_G/Q_G, the client returns P_L/Q_L of the active blocks only
+(layerwise routing). Strategies may post-process what is sent (SimGrad aligns it onto P_G/Q_G).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..base import Arrays, ClientState
+from .config import PQLoraSection
+from .model import (
+    adapters_disabled,
+    attach_pqlora,
+    block_grad_norms,
+    detach_pqlora,
+    get_gates,
+    get_local_state,
+    get_pq_arrays,
+    reset_local_state,
+    save_pq_adapter,
+    set_local_state,
+    set_pq_arrays,
+    set_trainable_blocks,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+    from torch import nn
+
+    from common.config import RunConfig
+
+LOCAL_STATE, GLOBAL_STATE = "pqlora.local", "pqlora.global"
+
+
+class PQLoraAdapter:
+    """PQ-LoRA with client-local state (see the module docstring)."""
+
+    name: ClassVar[str] = "pqlora"
+    section: ClassVar[type[PQLoraSection]] = PQLoraSection
+    reply_metrics: ClassVar[dict[str, type | None]] = {"beta": float, "active_blocks": int}
+    state_keys: ClassVar[tuple[str, ...]] = (LOCAL_STATE, GLOBAL_STATE)
+
+    def __init__(self, base: nn.Module, cfg: RunConfig) -> None:
+        self.pq_config = cfg.section(PQLoraSection).adapter_config(cfg.seed)
+        self.model = attach_pqlora(base, self.pq_config)
+        self.initial = get_pq_arrays(self.model, "local")  # zeros: the global part every client starts from
+
+    @classmethod
+    def settings(cls, cfg: RunConfig) -> str:
+        return str(cfg.section(PQLoraSection).adapter_config(cfg.seed).to_dict())
+
+    def begin(self, state: ClientState, received: Arrays | None) -> None:
+        """Swap this client's state into the shared model; ``received`` (P_G/Q_G from the server) wins over the kept one."""
+        local = state.get(LOCAL_STATE)
+        if local is not None:
+            set_local_state(self.model, local)
+        else:
+            reset_local_state(self.model)
+        if received is None:
+            received = state.get(GLOBAL_STATE)
+        set_pq_arrays(self.model, received if received is not None else self.initial, part="global")  # initial: zeros
+
+    def prepare_training(self, active: list[int] | None) -> None:
+        set_trainable_blocks(self.model, active)
+
+    def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+        """The local P/Q of the active blocks, with the gates and the blocks as metrics."""
+        metrics = {"beta": [float(b) for b in get_gates(self.model)],
+                   "active_blocks": list(active or range(self.pq_config.num_blocks))}
+        return get_pq_arrays(self.model, "local", blocks=active), metrics
+
+    def received(self, active: list[int] | None) -> Arrays:
+        return get_pq_arrays(self.model, "global", blocks=active)
+
+    def end(self, state: ClientState) -> None:
+        state.put(LOCAL_STATE, get_local_state(self.model))
+        state.put(GLOBAL_STATE, get_pq_arrays(self.model, "global"))
+
+    def disabled(self) -> AbstractContextManager[Any]:
+        return adapters_disabled(self.model)
+
+    def detach(self) -> nn.Module:
+        return detach_pqlora(self.model)
+
+    def salience(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> list[float]:
+        """Gradient norm of the loss w.r.t. each block's P/Q (all blocks trainable), for layerwise routing."""
+        set_trainable_blocks(self.model, None)
+        self.model.zero_grad(set_to_none=True)
+        loss_fn(self.model).backward()
+        norms = block_grad_norms(self.model)
+        self.model.zero_grad(set_to_none=True)
+        return norms
+
+    def save(self, out_dir: Path, base_model_name: str) -> Path | None:
+        """The client's full adapter (its local parts never leave it)."""
+        return save_pq_adapter(self.model, self.pq_config, out_dir, base_model_name)
+
+    @staticmethod
+    def save_server_copy(arrays: Arrays, cfg: RunConfig, base_model_name: str, out_dir: Path) -> Path:
+        """The server holds a client's global P/Q only: named arrays (the client saves its full adapter)."""
+        from common.records import save_arrays
+
+        return save_arrays(arrays, out_dir)

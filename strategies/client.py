@@ -1,0 +1,48 @@
+"""The client half of a strategy: what it adds to a client's replies and what it keeps between messages.
+
+The ClientApp (``client_app.handlers``) trains and evaluates the run's adapter kind the same way for every
+strategy; a strategy's client half only adds to that: a per-round report (SimGrad's signature, ATLAS's
+fingerprint), a post-processing of what is sent (SimGrad's alignment), a member weight, and state under the keys
+it declares. This base is the client half of a strategy that adds nothing (FedAvg).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .base import WEIGHT_BY_EXAMPLES, WEIGHT_EQUALLY, Arrays
+
+if TYPE_CHECKING:
+    from client_app.runtime import ClientRuntime
+    from common.adapters import ClientState
+    from common.config import RunConfig
+
+
+class StrategyClient:
+    """The base client half (FedAvg's): nothing to report, the update sent as trained, weighted as asked.
+
+    Attributes:
+        state_keys: the ``ClientState`` keys this strategy keeps on a client (with the adapter kind's, the only
+            keys a deployed node's model worker carries between messages).
+    """
+
+    state_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+
+    def report(self, rt: ClientRuntime, state: ClientState, server_round: int) -> tuple[Arrays, dict[str, Any]]:
+        """This round's report (arrays and metrics) for a server half with ``wants_reports``."""
+        raise ValueError(f"strategy '{self.cfg.strategy}' sends no reports")
+
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+        """What is sent after training (default: the adapter's update as it is) and metrics to add to the reply."""
+        return arrays, {}
+
+    def member_weight(self, weight_by: str, train_metrics: dict[str, Any]) -> int:
+        """This member's whole-number weight in its group's sum, as the group asked (``Group.weight_by``)."""
+        if weight_by == WEIGHT_BY_EXAMPLES:
+            return int(train_metrics["train_examples"])
+        if weight_by == WEIGHT_EQUALLY:
+            return 1
+        raise ValueError(f"weight-by: '{weight_by}' is not a weighting strategy '{self.cfg.strategy}' knows")

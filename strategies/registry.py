@@ -1,0 +1,100 @@
+"""The one list of strategies: a name -> its server half, client half, adapter kind and config section.
+
+Config validation (``common.config``), the ServerApp, the ClientApp and the run directory reach a strategy only
+through ``strategy_spec``. Adding a strategy is one package under ``strategies/`` and one ``register`` call here
+(see the README's "Adding a strategy").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .base import Strategy
+from .client import StrategyClient
+
+if TYPE_CHECKING:
+    from common.config import Section
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """Everything the system needs to run one strategy.
+
+    Attributes:
+        name: the run-config value (``strategy = "..."``).
+        server: the server half (``Strategy`` subclass, built with ``from_config``).
+        client: the client half (``StrategyClient`` subclass).
+        adapter: the adapter kind its clients train (a key of ``common.adapters.ADAPTER_KINDS``).
+        section: its run-config section (``section.key`` is the prefix of its keys), or None.
+    """
+
+    name: str
+    server: type[Strategy]
+    client: type[StrategyClient]
+    adapter: str
+    section: type[Section] | None = None
+
+    def sections(self) -> list[type[Section]]:
+        """The config sections a run of this strategy reads beyond the core: its adapter kind's and its own."""
+        from common.adapters import adapter_kind
+
+        own = [self.section] if self.section is not None else []
+        return [adapter_kind(self.adapter).section, *own]
+
+    def state_keys(self) -> tuple[str, ...]:
+        """Every client-state key a client of this strategy keeps (adapter kind's + client half's)."""
+        from common.adapters import adapter_kind
+
+        return (*adapter_kind(self.adapter).state_keys, *self.client.state_keys)
+
+
+REGISTRY: dict[str, StrategySpec] = {}
+
+
+def register(spec: StrategySpec) -> StrategySpec:
+    """Add a strategy; its name, config section key and state keys must not clash with another's."""
+    from common.adapters import ADAPTER_KINDS
+    from common.config import RunConfig
+
+    if spec.name in REGISTRY and REGISTRY[spec.name] != spec:
+        raise ValueError(f"strategy '{spec.name}' is already registered")
+    if spec.adapter not in ADAPTER_KINDS:
+        raise ValueError(f"strategy '{spec.name}': unknown adapter kind '{spec.adapter}' (have {sorted(ADAPTER_KINDS)})")
+    if spec.server.name != spec.name:
+        raise ValueError(f"strategy '{spec.name}': its server class says name = '{spec.server.name}'")
+    if spec.section is not None:
+        key = spec.section.key
+        taken = set(RunConfig.model_fields) | set(ADAPTER_KINDS) | {s.section.key for s in REGISTRY.values()
+                                                                   if s.section is not None and s.name != spec.name}
+        if not key or key.replace("-", "_") in taken or key in taken:
+            raise ValueError(f"strategy '{spec.name}': config section key '{key}' is empty or taken")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def strategy_spec(name: str) -> StrategySpec:
+    """The registered strategy called ``name`` (ValueError naming the ``strategy`` key otherwise)."""
+    if name not in REGISTRY:
+        raise ValueError(f"strategy: '{name}' is not a registered strategy (registered: {', '.join(sorted(REGISTRY))})")
+    return REGISTRY[name]
+
+
+def config_sections() -> dict[str, type[Section]]:
+    """Every adapter kind's and registered strategy's config section, by key."""
+    from common.adapters import ADAPTER_KINDS
+
+    sections = {kind.section.key: kind.section for kind in ADAPTER_KINDS.values()}
+    sections.update({s.section.key: s.section for s in REGISTRY.values() if s.section is not None})
+    return sections
+
+
+def _register_builtin() -> None:
+    from .fedavg import SPEC as FEDAVG
+    from .simgrad import SPEC as SIMGRAD
+
+    for spec in (FEDAVG, SIMGRAD):
+        register(spec)
+
+
+_register_builtin()

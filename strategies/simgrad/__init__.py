@@ -1,0 +1,14 @@
+"""SimGrad (FedMosaic): relevance-weighted, personalised PQ-LoRA aggregation across heterogeneous clients.
+
+``relevance.py`` (server math) and ``signatures.py`` (client math) are pure functions; ``server.py`` and
+``client.py`` are its two halves; ``config.py`` its section (``simgrad.*``); ``plots.py`` its figures.
+"""
+
+from ..registry import StrategySpec
+from .client import SimGradClient
+from .config import SimGradSection
+from .server import ClientReport, SimGrad
+
+SPEC = StrategySpec(name=SimGrad.name, server=SimGrad, client=SimGradClient, adapter="pqlora", section=SimGradSection)
+
+__all__ = ["SPEC", "ClientReport", "SimGrad", "SimGradClient", "SimGradSection"]

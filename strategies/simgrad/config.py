@@ -1,0 +1,36 @@
+"""SimGrad's run-config section (``simgrad.*``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import Field
+
+from common.adapters.pqlora import PQLoraSection
+from common.config import Section
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
+
+class SimGradSection(Section):
+    """SimGrad relevance aggregation: signatures, relevance softmax, grouping, routing and alignment."""
+
+    key: ClassVar[str] = "simgrad"
+    temperature: float = Field(0.3, gt=0)  # row softmax of the cosine relevance matrix
+    mixing: Literal["relevance", "uniform", "local-only"] = "relevance"  # uniform / local-only: ablations
+    probe_model: str = Field("smollm2-135m-instruct", min_length=1)  # the small frozen model every client probes
+    probe_examples: int = Field(8, ge=1)
+    sketch_buckets: int = Field(8, ge=1, le=4096)  # rows of the count-sketched lm_head gradient
+    ema_decay: float = Field(0.4, ge=0, lt=1)
+    noise_scale: float = Field(0.05, ge=0)  # Gaussian noise std, relative to the signature's RMS
+    keep_fraction: float = Field(0.6, gt=0, le=1)  # random subsample of signature coordinates kept
+    route_budget: int = Field(2, ge=0)  # blocks trained and sent per round (0: all)
+    alignment: bool = True  # Procrustes-align the outgoing P/Q onto the received global ones
+    anchors: int = Field(64, ge=2)
+    min_group_size: int = Field(3, ge=3)  # secure mode: SecAgg+ groups by relevance, never smaller than this
+
+    def check(self, cfg: RunConfig) -> None:
+        blocks = cfg.section(PQLoraSection).blocks
+        if self.route_budget > blocks:
+            raise ValueError(f"simgrad.route-budget: {self.route_budget} exceeds pqlora.blocks={blocks}")
