@@ -28,7 +28,8 @@ import torch
 
 from common import bnb_cpu
 from common.adapters import attach_lora
-from common.config import DataSection, LoraSection
+from common.adapters.lora import LoraSection
+from common.config import DataSection
 from common.data import client_data
 from common.model import load_base_model, load_tokenizer
 from common.training import collate, encode

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.adapters import attach_lora  # noqa: E402
 from common.adapters.pqlora import PQLoraConfig, adapters_disabled, attach_pqlora, get_pq_arrays  # noqa: E402
-from common.config import LoraSection  # noqa: E402
+from common.adapters.lora import LoraSection  # noqa: E402
 from common.model import load_base_model  # noqa: E402
 
 SHAPES = {

@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deploy.local_sim import flwr_run, prepare_home, stop_superlink  # noqa: E402
-from strategies.relevance import within_across_relevance  # noqa: E402
+from strategies.simgrad.relevance import within_across_relevance  # noqa: E402
 
 SMOL, QWEN = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"
 CONFIGS = {

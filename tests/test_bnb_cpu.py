@@ -58,7 +58,7 @@ def _load(path, packed: bool = True):
 def _attach(model, kind: str):
     if kind == "lora":
         from common.adapters import attach_lora
-        from common.config import LoraSection
+        from common.adapters.lora import LoraSection
 
         return attach_lora(model, LoraSection(r=4, target_modules=LORA_TARGETS), seed=3)
     from common.adapters.pqlora import PQLoraConfig, attach_pqlora

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from common.adapters import attach_lora, get_adapter_arrays, save_peft_adapter, set_adapter_arrays
-from common.config import EvalSection, LoraSection, TrainSection
+from common.adapters.lora import LoraSection
+from common.config import EvalSection, TrainSection
 from common.data import Example
 from common.evaluation import answer_loss, evaluate, exact_match
 from common.model import load_base_model, load_tokenizer
