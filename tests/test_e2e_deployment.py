@@ -69,7 +69,8 @@ def test_unregistered_supernode_is_refused(federation):
     log = federation.work / "stranger.log"
     wait_for(lambda: "Failed to activate SuperNode" in log.read_text() or proc.poll() is not None, "the stranger's refusal", timeout=90)
     federation.stop(proc)
-    assert "Failed to activate SuperNode" in log.read_text() or proc.returncode not in (None, 0), log.read_text()[-2000:]
+    # the refusal itself, not just any failure (a bad flag or a TLS error would also stop the process)
+    assert "Failed to activate SuperNode" in log.read_text(), log.read_text()[-2000:]
 
 
 def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(federation):

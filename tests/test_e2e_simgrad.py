@@ -49,9 +49,9 @@ def test_only_routed_pq_and_the_signature_travel(simgrad_run):
     _, rows = simgrad_run
     for row in (r for r in rows if r["round"] == 1 and r["node"] is not None):
         assert len(row["active_blocks"]) == 2 and len(row["beta"]) == 4
-        assert row["bytes_up"] - row["signature_bytes"] == PQ_BYTES_PER_ROUTED_ROUND  # not LoRA's ~1.8 MB
+        assert row["bytes_up"] - row["report_bytes"] == PQ_BYTES_PER_ROUTED_ROUND  # not LoRA's ~1.8 MB
         assert row["routing_bytes_saved"] == PQ_BYTES_PER_ROUTED_ROUND  # the 2 inactive blocks of 4 stayed home
-        assert row["signature_bytes"] == 8 * 576 * 4  # buckets x probe width float32, the same for both models
+        assert row["report_bytes"] == 8 * 576 * 4  # buckets x probe width float32, the same for both models
 
 
 def test_relevance_matrix_groups_and_plots(simgrad_run):

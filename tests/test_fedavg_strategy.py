@@ -1,6 +1,7 @@
 """The FedAvg strategy without Flower: one global adapter per model family; nodes may join mid-run."""
 
 import numpy as np
+import pytest
 
 from strategies import ClientInfo, GroupResult
 from strategies.fedavg import FedAvg
@@ -20,3 +21,43 @@ def test_a_node_that_joins_mid_run_trains_from_the_current_global_adapter():
     assert group.members == [1, 2, 9]
     np.testing.assert_array_equal(group.start[9]["x.lora_A.weight"], adapter(0.5)["x.lora_A.weight"])
     np.testing.assert_array_equal(strategy.eval_arrays(9)["x.lora_A.weight"], adapter(0.5)["x.lora_A.weight"])
+
+
+def wide(value: float) -> dict:
+    """Another base model's LoRA: other shapes (the width differs)."""
+    return {"x.lora_A.weight": np.full((2, 5), value, np.float32), "x.lora_B.weight": np.zeros((5, 2), np.float32)}
+
+
+def two_families() -> FedAvg:
+    strategy = FedAvg()
+    strategy.initialise({1: ClientInfo(1, 0, "smol", adapter(0.0)), 2: ClientInfo(2, 1, "qwen/7b", wide(0.0)),
+                         3: ClientInfo(3, 2, "smol", adapter(0.0)), 4: ClientInfo(4, 3, "qwen/7b", wide(0.0))})
+    return strategy
+
+
+def test_two_model_families_are_averaged_separately_and_resume_from_a_checkpoint():
+    strategy = two_families()
+    groups = {g.name: g for g in strategy.train_groups(1, [1, 2, 3, 4])}
+    assert sorted(groups) == ["qwen_7b", "smol"] and groups["smol"].members == [1, 3] and groups["qwen_7b"].members == [2, 4]
+    strategy.update(1, [GroupResult("smol", adapter(0.25), 8.0, [1, 3]), GroupResult("qwen_7b", wide(0.75), 8.0, [2, 4])])
+    assert strategy.eval_arrays(3)["x.lora_A.weight"][0, 0] == 0.25 and strategy.eval_arrays(4)["x.lora_A.weight"][0, 0] == 0.75
+
+    state = strategy.state_dict()
+    assert sorted(state) == ["global-qwen_7b", "global-smol"]
+    resumed = two_families()  # a restarted ServerApp: same clients, then the checkpoint
+    resumed.load_state_dict(state)
+    for nid in (1, 2, 3, 4):
+        np.testing.assert_array_equal(resumed.eval_arrays(nid)["x.lora_A.weight"], strategy.eval_arrays(nid)["x.lora_A.weight"])
+    saved = {a.name: a for a in resumed.final_adapters()}
+    assert sorted(saved) == ["qwen_7b", "smol"] and saved["qwen_7b"].base_model == "qwen/7b"  # PEFT needs the real name
+
+
+def test_resume_refuses_a_checkpoint_without_every_family():
+    single = FedAvg()
+    single.initialise({1: ClientInfo(1, 0, "smol", adapter(0.0))})
+    strategy = two_families()
+    with pytest.raises(ValueError, match="model family 'qwen_7b'"):
+        strategy.load_state_dict({"global-smol": adapter(0.1)})
+    single.load_state_dict({"global": adapter(0.3)})  # one family: the plain "global" checkpoint
+    assert single.eval_arrays(1)["x.lora_A.weight"][0, 0] == np.float32(0.3)
+    assert [(a.name, a.base_model) for a in single.final_adapters()] == [("", "smol")]

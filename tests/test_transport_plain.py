@@ -166,3 +166,32 @@ def test_a_late_node_that_does_not_answer_is_asked_once():
     asked = len(grid.sent)
     assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [1, 3, 4]) == [1, 3]
     assert len(grid.sent) == asked  # nobody asked again
+
+
+def test_fedavg_equals_flowers_own_fedavg_on_the_same_replies():
+    """Our FedAvg (plain transport + strategy) and Flower's ``flwr.serverapp.strategy.FedAvg.aggregate_train`` agree
+    on the same client updates and example counts."""
+    from flwr.app import ArrayRecord, MessageType, MetricRecord
+    from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+
+    from strategies.fedavg import FedAvg
+
+    rng = np.random.default_rng(0)
+    updates = {nid: {k: rng.normal(size=v.shape).astype(np.float32) for k, v in START.items()} for nid in (1, 2, 3)}
+    examples = {1: 8, 2: 24, 3: 40}
+    ours = FedAvg()
+    ours.initialise({nid: ClientInfo(nid, nid, "m", START) for nid in updates})
+    grid = InMemoryGrid({nid: (lambda a, nid=nid: train_reply(updates[nid], examples[nid], {})) for nid in updates})
+    ours.update(1, train_groups_plain(grid, 1, ours.train_groups(1, [1, 2, 3]), {"server-round": 1}, timeout=1.0))
+
+    replies = []
+    for nid, update in updates.items():
+        instruction = Message(RecordDict(), dst_node_id=nid, message_type=MessageType.TRAIN)
+        instruction.metadata.__dict__["_message_id"] = instruction.object_id
+        content = RecordDict({"arrays": ArrayRecord([update[k] for k in sorted(update)]),
+                              "metrics": MetricRecord({"num-examples": examples[nid]})})
+        replies.append(Message(content, reply_to=instruction))
+    flower, _ = FlowerFedAvg().aggregate_train(1, replies)
+    theirs = flower.to_numpy_ndarrays()
+    for key, value in zip(sorted(START), theirs):
+        np.testing.assert_allclose(ours.eval_arrays(1)[key], value, rtol=1e-6, atol=1e-7)
