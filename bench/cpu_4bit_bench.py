@@ -71,9 +71,9 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b)
 
 
-def gradient_check(data) -> dict[str, float]:
+def gradient_check(data) -> dict[str, float | str]:
     fresh = lora_grads(lora_model(packed=True, bitsandbytes_default=False), data)
-    out = {}
+    out: dict[str, float | str] = {}
     for label, default in (("bitsandbytes", True), ("tessera", False)):
         model = lora_model(packed=True, bitsandbytes_default=default)
         evaluate_once(model, data)
@@ -125,8 +125,11 @@ def main() -> None:
     tokenizer = load_tokenizer(MODEL)
     data = batch(tokenizer)
     native = bnb_cpu.cpu_kernel_available()
-    result = {"machine": platform.processor() or platform.machine(), "avx512_bf16": native,
-              "threads": torch.get_num_threads()}
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "avx512_bf16": native,
+        "threads": torch.get_num_threads(),
+    }
     with nullcontext() if native else bnb_cpu.emulated_packed_kernel():
         result["max_relative_gradient_difference_after_eval"] = gradient_check(data)
     result["speed"] = speed(data, tokenizer) if native else "no AVX512-BF16 here: only the unpacked path exists"

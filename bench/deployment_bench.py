@@ -29,8 +29,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def run_mode(mode: str, work: Path, rounds: int, clients: int, steps: int, examples: int) -> dict:
     run_dir = work / mode / "run"
-    config = (f"num-server-rounds={rounds} min-train-replies={clients} train.local-steps={steps} "
-              f"eval.max-examples={examples} eval.max-new-tokens=8 run-dir='{run_dir}'")
+    config = (
+        f"num-server-rounds={rounds} min-train-replies={clients} train.local-steps={steps} "
+        f"eval.max-examples={examples} eval.max-new-tokens=8 run-dir='{run_dir}'"
+    )
     started = time.perf_counter()
     if mode == "simulation":
         home = work / mode / "flwr-home"
@@ -53,15 +55,17 @@ def run_mode(mode: str, work: Path, rounds: int, clients: int, steps: int, examp
     for rnd in range(rounds + 1):
         nodes = [r for r in rows if r["round"] == rnd and r["node"] is not None]
         agg = next(r for r in rows if r["round"] == rnd and r["node"] is None)
-        per_round.append({
-            "round": rnd,
-            "wall_seconds": agg["seconds"],
-            "startup_seconds_mean": statistics.mean(r.get("startup_seconds") or 0.0 for r in nodes),
-            "train_seconds_mean": statistics.mean(r.get("train_seconds") or 0.0 for r in nodes) if rnd else 0.0,
-            "eval_seconds_mean": statistics.mean(r.get("eval_seconds") or 0.0 for r in nodes),
-            "model_loads_max": max(r.get("model_loads") or 0 for r in nodes),
-            "eval_loss": agg["eval_loss"],
-        })
+        per_round.append(
+            {
+                "round": rnd,
+                "wall_seconds": agg["seconds"],
+                "startup_seconds_mean": statistics.mean(r.get("startup_seconds") or 0.0 for r in nodes),
+                "train_seconds_mean": statistics.mean(r.get("train_seconds") or 0.0 for r in nodes) if rnd else 0.0,
+                "eval_seconds_mean": statistics.mean(r.get("eval_seconds") or 0.0 for r in nodes),
+                "model_loads_max": max(r.get("model_loads") or 0 for r in nodes),
+                "eval_loss": agg["eval_loss"],
+            }
+        )
     return {"mode": mode, "run_wall_seconds": wall, "rounds": per_round}
 
 
@@ -70,13 +74,16 @@ def markdown(results: list[dict], args) -> str:
         f"Deployment vs simulation: {args.clients} clients, {args.rounds} rounds, {args.steps} local steps, "
         f"{args.examples} eval examples, SmolLM2-135M NF4 on CPU ({time.strftime('%Y-%m-%d')}).",
         "",
-        "| mode | round | round wall s | ClientApp start-up s (mean per message) | train s | eval s | model loads (max per node) |",
+        "| mode | round | round wall s | ClientApp start-up s (mean per message) | train s | eval s "
+        "| model loads (max per node) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for res in results:
         for r in res["rounds"]:
-            lines.append(f"| {res['mode']} | {r['round']} | {r['wall_seconds']:.1f} | {r['startup_seconds_mean']:.1f} | "
-                         f"{r['train_seconds_mean']:.1f} | {r['eval_seconds_mean']:.1f} | {r['model_loads_max']} |")
+            lines.append(
+                f"| {res['mode']} | {r['round']} | {r['wall_seconds']:.1f} | {r['startup_seconds_mean']:.1f} | "
+                f"{r['train_seconds_mean']:.1f} | {r['eval_seconds_mean']:.1f} | {r['model_loads_max']} |"
+            )
     lines.append("")
     lines.append("| mode | whole run incl. start-up s |")
     lines.append("| --- | --- |")

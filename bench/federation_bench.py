@@ -4,7 +4,8 @@
 
 Writes ``bench/results/federation.json`` and prints a table. Per round: wall time, split into model load (once
 per client process), local training, evaluation, server aggregation and the rest (messaging, SecAgg+ protocol,
-Ray); model load is reported apart, as it happens before round 0's clock starts; train tokens per second; peak client memory; adapter bytes per client per direction.
+Ray); model load is reported apart, as it happens before round 0's clock starts; train tokens per second; peak
+client memory; adapter bytes per client per direction.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from deploy.local_sim import flwr_run, prepare_home, stop_superlink  # noqa: E40
 
 def summarise(rows: list[dict]) -> list[dict]:
     out = []
-    loaded: set[int] = set()
+    loaded: set[int | None] = set()  # process ids (None: a row that reports none)
     for rnd in sorted({r["round"] for r in rows}):
         clients = [r for r in rows if r["round"] == rnd and r["node"] is not None]
         agg = next(r for r in rows if r["round"] == rnd and r["node"] is None)
@@ -36,21 +37,23 @@ def summarise(rows: list[dict]) -> list[dict]:
         evaluate = sum(r.get("eval_seconds") or 0.0 for r in clients)
         aggregate = agg.get("aggregate_seconds") or 0.0
         tokens = sum(r.get("train_tokens") or 0 for r in clients)
-        out.append({
-            "round": rnd,
-            "wall_seconds": agg["seconds"],
-            "model_load_seconds": load,
-            "train_seconds": train,
-            "eval_seconds": evaluate,
-            "aggregate_seconds": aggregate,
-            # the model loads on a process's first message (the initial-adapter query, before round 0's clock)
-            "other_seconds": agg["seconds"] - train - evaluate - aggregate,
-            "train_tokens_per_second": tokens / train if train else None,
-            "peak_client_rss_mb": max((r.get("peak_rss_mb") or 0.0) for r in clients),
-            "bytes_up_per_client": sum(r["bytes_up"] for r in clients) / len(clients),
-            "bytes_down_per_client": sum(r["bytes_down"] for r in clients) / len(clients),
-            "eval_loss": agg["eval_loss"],
-        })
+        out.append(
+            {
+                "round": rnd,
+                "wall_seconds": agg["seconds"],
+                "model_load_seconds": load,
+                "train_seconds": train,
+                "eval_seconds": evaluate,
+                "aggregate_seconds": aggregate,
+                # the model loads on a process's first message (the initial-adapter query, before round 0's clock)
+                "other_seconds": agg["seconds"] - train - evaluate - aggregate,
+                "train_tokens_per_second": tokens / train if train else None,
+                "peak_client_rss_mb": max((r.get("peak_rss_mb") or 0.0) for r in clients),
+                "bytes_up_per_client": sum(r["bytes_up"] for r in clients) / len(clients),
+                "bytes_down_per_client": sum(r["bytes_down"] for r in clients) / len(clients),
+                "eval_loss": agg["eval_loss"],
+            }
+        )
     return out
 
 
@@ -68,7 +71,10 @@ def main() -> None:
     try:
         for mode in ("plain", "secure"):
             run_dir = work / mode
-            cfg = f"num-server-rounds={args.rounds} secure={'true' if mode == 'secure' else 'false'} min-train-replies=3 run-dir='{run_dir}' {args.extra}"
+            secure = "true" if mode == "secure" else "false"
+            cfg = (
+                f"num-server-rounds={args.rounds} secure={secure} min-train-replies=3 run-dir='{run_dir}' {args.extra}"
+            )
             started = time.perf_counter()
             proc = flwr_run(home, cfg, num_clients=args.clients, timeout=3600)
             if proc.returncode != 0:
@@ -79,7 +85,20 @@ def main() -> None:
         stop_superlink(home)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    cols = ["round", "wall_seconds", "model_load_seconds", "train_seconds", "eval_seconds", "aggregate_seconds", "other_seconds", "train_tokens_per_second", "peak_client_rss_mb", "bytes_up_per_client", "bytes_down_per_client", "eval_loss"]
+    cols = [
+        "round",
+        "wall_seconds",
+        "model_load_seconds",
+        "train_seconds",
+        "eval_seconds",
+        "aggregate_seconds",
+        "other_seconds",
+        "train_tokens_per_second",
+        "peak_client_rss_mb",
+        "bytes_up_per_client",
+        "bytes_down_per_client",
+        "eval_loss",
+    ]
     print("| mode | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
     for mode, data in report["modes"].items():
         for row in data["rounds"]:

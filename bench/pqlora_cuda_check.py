@@ -23,13 +23,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.adapters import attach_lora  # noqa: E402
-from common.adapters.pqlora import PQLoraConfig, adapters_disabled, attach_pqlora, get_pq_arrays  # noqa: E402
 from common.adapters.lora import LoraSection  # noqa: E402
+from common.adapters.pqlora import PQLoraConfig, adapters_disabled, attach_pqlora, get_pq_arrays  # noqa: E402
 from common.model import load_base_model  # noqa: E402
 
 SHAPES = {
-    "smollm2-135m-shape": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)),
-    "qwen2.5-0.5b-shape": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)),
+    "smollm2-135m-shape": (
+        "llama",
+        dict(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+        ),
+    ),
+    "qwen2.5-0.5b-shape": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        ),
+    ),
 }
 
 

@@ -39,20 +39,42 @@ CONFIGS = {
 
 
 def client_rows(rows: list[dict], server_round: int) -> dict[int, dict]:
-    return {r["partition_id"]: r for r in rows if r["round"] == server_round and r["node"] is not None and r.get("partition_id") is not None}
+    return {
+        r["partition_id"]: r
+        for r in rows
+        if r["round"] == server_round and r["node"] is not None and r.get("partition_id") is not None
+    }
 
 
 def relevance_summary(rows: list[dict]) -> dict:
     """Mean within- vs across-family relevance per round (families: task, and base model for contrast)."""
-    tasks = {r["partition_id"]: r.get("tasks") for r in rows if r.get("partition_id") is not None}
-    models = {r["partition_id"]: r.get("model") for r in rows if r.get("partition_id") is not None}
+    # A row with a partition id is a client's eval row, which always carries its tasks and model.
+    tasks = {r["partition_id"]: r["tasks"] for r in rows if r.get("partition_id") is not None}
+    models = {r["partition_id"]: r["model"] for r in rows if r.get("partition_id") is not None}
     out = []
     for row in (r for r in rows if r["node"] is None and r.get("relevance")):
         scores, parts = np.asarray(row["relevance"]), row["relevance_partitions"]
         task_in, task_out = within_across_relevance(scores, [tasks[p] for p in parts])
         model_in, model_out = within_across_relevance(scores, [models[p] for p in parts])
-        out.append({"round": row["round"], "same_task": task_in, "other_task": task_out, "same_model": model_in, "other_model": model_out})
-    return {"per_round": out, **{k: float(np.mean([o[k] for o in out])) for k in ("same_task", "other_task", "same_model", "other_model")}} if out else {}
+        out.append(
+            {
+                "round": row["round"],
+                "same_task": task_in,
+                "other_task": task_out,
+                "same_model": model_in,
+                "other_model": model_out,
+            }
+        )
+    return (
+        {
+            "per_round": out,
+            **{
+                k: float(np.mean([o[k] for o in out])) for k in ("same_task", "other_task", "same_model", "other_model")
+            },
+        }
+        if out
+        else {}
+    )
 
 
 def main() -> None:
@@ -60,7 +82,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))
-    parser.add_argument("--extra", default="train.local-steps=4 eval.max-examples=6 eval.max-new-tokens=8", help="more --run-config overrides")
+    parser.add_argument(
+        "--extra",
+        default="train.local-steps=4 eval.max-examples=6 eval.max-new-tokens=8",
+        help="more --run-config overrides",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "simgrad"))
     args = parser.parse_args()
 
@@ -75,7 +101,9 @@ def main() -> None:
         for name in args.configs.split(","):
             run_dir = work / name
             started = time.perf_counter()
-            proc = flwr_run(home, f"{common} {CONFIGS[name]} run-dir='{run_dir}'", num_clients=args.clients, timeout=7200)
+            proc = flwr_run(
+                home, f"{common} {CONFIGS[name]} run-dir='{run_dir}'", num_clients=args.clients, timeout=7200
+            )
             if proc.returncode != 0 or not (run_dir / "metrics.jsonl").exists():
                 raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -84,14 +112,20 @@ def main() -> None:
             report["configs"][name] = {
                 "seconds": time.perf_counter() - started,
                 "clients": {
-                    pid: {k: r.get(k) for k in ("model", "tasks", "eval_loss", "exact_match", "rouge_l")} | {"round0_eval_loss": first[pid]["eval_loss"]}
+                    pid: {k: r.get(k) for k in ("model", "tasks", "eval_loss", "exact_match", "rouge_l")}
+                    | {"round0_eval_loss": first[pid]["eval_loss"]}
                     for pid, r in sorted(final.items())
                 },
                 "bytes_up_per_client_round": float(np.mean([r["bytes_up"] for r in trained])),
-                "adapter_bytes_up_per_client_round": float(np.mean([r["bytes_up"] - r.get("signature_bytes", 0) for r in trained])),
+                "adapter_bytes_up_per_client_round": float(
+                    np.mean([r["bytes_up"] - r.get("signature_bytes", 0) for r in trained])
+                ),
                 "bytes_down_per_client_round": float(np.mean([r["bytes_down"] for r in trained])),
                 "relevance": relevance_summary(rows),
-                "align_error": [float(np.nanmean([r.get(k) or np.nan for r in trained])) for k in ("align_error_before", "align_error_after")],
+                "align_error": [
+                    float(np.nanmean([r.get(k) or np.nan for r in trained]))
+                    for k in ("align_error_before", "align_error_after")
+                ],
                 "run_dir": str(run_dir),
             }
             print(f"{name}: {report['configs'][name]['seconds']:.0f} s", flush=True)
@@ -114,18 +148,32 @@ def table(report: dict) -> str:
         cells = []
         for n in names:
             r = report["configs"][n]["clients"].get(pid)
-            cells.append("-" if r is None or r["eval_loss"] is None else f"{r['eval_loss']:.3f} ({r['exact_match']:.2f} / {r['rouge_l']:.2f})")
-        lines.append(f"| {pid} | {c['model']} | {c['tasks']} | {c['round0_eval_loss']:.3f} | " + " | ".join(cells) + " |")
-    lines.append("\n| config | bytes up / client / round (adapter + signature) | adapter only | bytes down | same-task relevance | other-task relevance | same-model | other-model | align error before -> after | seconds |")
+            cells.append(
+                "-"
+                if r is None or r["eval_loss"] is None
+                else f"{r['eval_loss']:.3f} ({r['exact_match']:.2f} / {r['rouge_l']:.2f})"
+            )
+        lines.append(
+            f"| {pid} | {c['model']} | {c['tasks']} | {c['round0_eval_loss']:.3f} | " + " | ".join(cells) + " |"
+        )
+    lines.append(
+        "\n| config | bytes up / client / round (adapter + signature) | adapter only | bytes down "
+        "| same-task relevance | other-task relevance | same-model | other-model | align error before -> after "
+        "| seconds |"
+    )
     lines.append("|---" * 10 + "|")
     for n in names:
         c = report["configs"][n]
         rel = c["relevance"] or {}
-        fmt = lambda k: f"{rel[k]:.3f}" if k in rel else "-"  # noqa: E731
+
+        def fmt(k: str, rel: dict = rel) -> str:
+            return f"{rel[k]:.3f}" if k in rel else "-"
+
         align = "-" if np.isnan(c["align_error"][0]) else f"{c['align_error'][0]:.3f} -> {c['align_error'][1]:.3f}"
         lines.append(
-            f"| {n} | {c['bytes_up_per_client_round']:,.0f} | {c['adapter_bytes_up_per_client_round']:,.0f} | {c['bytes_down_per_client_round']:,.0f} | "
-            f"{fmt('same_task')} | {fmt('other_task')} | {fmt('same_model')} | {fmt('other_model')} | {align} | {c['seconds']:.0f} |"
+            f"| {n} | {c['bytes_up_per_client_round']:,.0f} | {c['adapter_bytes_up_per_client_round']:,.0f} "
+            f"| {c['bytes_down_per_client_round']:,.0f} | {fmt('same_task')} | {fmt('other_task')} "
+            f"| {fmt('same_model')} | {fmt('other_model')} | {align} | {c['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

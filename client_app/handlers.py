@@ -12,7 +12,8 @@ post-processing of the update and the member's weight. Train replies use the Fit
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Context, Message
@@ -37,6 +38,9 @@ from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES
 
 from .runtime import begin_message, get_runtime
 
+if TYPE_CHECKING:
+    from flwr.app.typing import ConfigRecordValues
+
 log = get_logger("tessera.client")
 
 
@@ -47,11 +51,19 @@ def query(msg: Message, context: Context) -> Message:
     config = msg.content.config_records[CONFIG] if CONFIG in msg.content else {}
     kind = config.get("query", QUERY_INITIAL)
     if kind == QUERY_REPORT:
-        arrays, metrics = rt.strategy.report(rt, rt.state, int(config.get("server-round", 0)))
+        arrays, metrics = rt.strategy.report(rt, rt.state, _config_int(config, "server-round", 0))
         return Message(report_reply(arrays, {**metrics, **rt.identity()}), reply_to=msg)
     if kind != QUERY_INITIAL:
-        raise ValueError(f"unknown query '{kind}'")
+        raise ValueError(f"unknown query {kind!r}")
     return Message(initial_reply(rt.adapter.initial, rt.identity()), reply_to=msg)
+
+
+def _config_int(config: Mapping[str, ConfigRecordValues], key: str, default: int) -> int:
+    """A number the server put in a message's config as an int (``default`` when absent)."""
+    value = config.get(key, default)
+    if isinstance(value, list):
+        raise TypeError(f"config {key}: expected a number, got a list ({value!r})")
+    return int(value)
 
 
 def node_train_settings(settings: TrainSection, node_config: dict) -> TrainSection:
@@ -80,8 +92,14 @@ def train(msg: Message, context: Context) -> Message:
     server_round = int(config.get("server-round", 1))
     settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
     lr = round_learning_rate(settings, server_round, int(config.get("num-server-rounds", rt.cfg.num_server_rounds)))
-    log.info("node %s (partition %d) round %d: training %d steps, lr %.2e", context.node_id, rt.partition_id,
-             server_round, settings.local_steps, lr)
+    log.info(
+        "node %s (partition %d) round %d: training %d steps, lr %.2e",
+        context.node_id,
+        rt.partition_id,
+        server_round,
+        settings.local_steps,
+        lr,
+    )
     seed = rt.cfg.seed * 1000 + server_round * 97 + rt.partition_id
     metrics: dict[str, Any] = dict(train_round(rt.model, rt.tokenizer, rt.train, settings, lr, seed=seed))
     updated, adapter_metrics = rt.adapter.outgoing(active)
@@ -103,9 +121,16 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     rt.adapter.begin(rt.state, arrays)
     metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train))
     config = msg.content.config_records[CONFIG] if CONFIG in msg.content else {}
-    server_round = int(config.get("server-round", -1))
-    log.info("node %s (partition %d) round %s: eval loss %.4f EM %.3f ROUGE-L %.3f", context.node_id,
-             rt.partition_id, server_round, metrics["eval_loss"], metrics["exact_match"], metrics["rouge_l"])
+    server_round = _config_int(config, "server-round", -1)
+    log.info(
+        "node %s (partition %d) round %s: eval loss %.4f EM %.3f ROUGE-L %.3f",
+        context.node_id,
+        rt.partition_id,
+        server_round,
+        metrics["eval_loss"],
+        metrics["exact_match"],
+        metrics["rouge_l"],
+    )
     rt.adapter.end(rt.state)  # keep the newest received part (kinds with client state)
     if server_round == rt.cfg.num_server_rounds:  # the client's own copy, where the kind keeps parts the server lacks
         out = rt.adapter.save(rt.cfg.run_path() / "client-adapters" / f"partition-{rt.partition_id}", rt.model_name)

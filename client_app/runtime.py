@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Context
 
+from common.adapters import AdapterKind, ClientState, adapter_kind
 from common.config import RunConfig
 from common.data import Example, client_data
 from common.logs import get_logger
 from common.model import load_base_model, load_tokenizer
-
-from common.adapters import AdapterKind, ClientState, adapter_kind
 from strategies import StrategyClient, strategy_spec
 
 log = get_logger("tessera.client")

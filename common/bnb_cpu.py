@@ -80,8 +80,13 @@ class PackedInferenceLinear4bit(bnb.nn.Linear4bit):
 
     def uses_packed(self, x: torch.Tensor) -> bool:
         """True for a forward that cannot need a gradient: eval mode, grad disabled, input and weight on the CPU."""
-        return (self.packed_inference and not self.training and not torch.is_grad_enabled()
-                and x.device.type == "cpu" and self.weight.device.type == "cpu")
+        return (
+            self.packed_inference
+            and not self.training
+            and not torch.is_grad_enabled()
+            and x.device.type == "cpu"
+            and self.weight.device.type == "cpu"
+        )
 
     def packed_weight(self) -> tuple[torch.Tensor, QuantState]:
         """The packed copy of the weight and its quant state (rebuilt if the weight's storage was replaced)."""
@@ -145,8 +150,9 @@ def use_packed_inference(model: torch.nn.Module, enabled: bool | None = None) ->
     return {"layers": seen, "packed": packed}
 
 
-def reference_packed_gemv(a: torch.Tensor, b: torch.Tensor, shape_b: Sequence[int], absmax: torch.Tensor,
-                          code: torch.Tensor, blocksize: int) -> torch.Tensor:
+def reference_packed_gemv(
+    a: torch.Tensor, b: torch.Tensor, shape_b: Sequence[int], absmax: torch.Tensor, code: torch.Tensor, blocksize: int
+) -> torch.Tensor:
     """What bitsandbytes' AVX512-BF16 kernel computes, in plain torch: ``a @ W.T`` in bf16 from the packed layout.
 
     ``b`` is [N, K/2] bytes as ``_convert_weight_packed_for_cpu`` lays them out (rows in tiles of 32; each run of

@@ -9,6 +9,7 @@ silently fall back to a default.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -172,7 +173,8 @@ class RunConfig(Section):
         return resolve_run_dir(self.run_dir)
 
     def model_for_partition(self, partition_id: int) -> str:
-        """The base model of a partition when its node sets none: ``model.partition-models`` cycled, else ``model.name``."""
+        """The base model of a partition when its node sets none: ``model.partition-models`` cycled, else
+        ``model.name``."""
         models = self.model.partition_models
         return models[partition_id % len(models)] if models else self.model.name
 
@@ -197,7 +199,7 @@ class RunConfig(Section):
         from strategies.registry import config_sections, strategy_spec
 
         nested = dict(nested)
-        errors: list[dict[str, Any]] = []
+        errors: list[Mapping[str, Any]] = []
         sections: dict[str, Section] = {}
         for key, kind in config_sections().items():
             try:
@@ -245,6 +247,8 @@ def _describe(errors: list[Any]) -> str:
         if item["type"] == "extra_forbidden":
             reason = "unknown key (check the spelling against pyproject.toml)"
         got = item.get("input")
-        suffix = "" if item["type"] in ("extra_forbidden", "value_error") or isinstance(got, dict) else f" (got {got!r})"
+        suffix = (
+            "" if item["type"] in ("extra_forbidden", "value_error") or isinstance(got, dict) else f" (got {got!r})"
+        )
         lines.append(f"{key}: {reason}{suffix}")
     return "invalid run config:\n  " + "\n  ".join(lines)

@@ -130,18 +130,20 @@ def partition(bank: list[Example], num_partitions: int, cfg: DataSection, seed: 
         for pid in range(num_partitions):
             if num_partitions <= len(tasks):
                 mine = set(tasks[pid::num_partitions])
-                parts.append(table.filter(lambda row: row["task"] in mine))
+                parts.append(table.filter(lambda row, mine=mine: row["task"] in mine))
             else:
                 # More clients than tasks: clients that share a task split it IID.
                 task = tasks[pid % len(tasks)]
                 sharers = [p for p in range(num_partitions) if p % len(tasks) == pid % len(tasks)]
                 iid = IidPartitioner(num_partitions=len(sharers))
-                iid.dataset = table.filter(lambda row: row["task"] == task)
+                iid.dataset = table.filter(lambda row, task=task: row["task"] == task)
                 parts.append(iid.load_partition(sharers.index(pid)))
     return [[Example(r["task"], r["prompt"], r["answer"]) for r in part] for part in parts]
 
 
-def train_test_split(examples: list[Example], test_fraction: float, seed: int = 0) -> tuple[list[Example], list[Example]]:
+def train_test_split(
+    examples: list[Example], test_fraction: float, seed: int = 0
+) -> tuple[list[Example], list[Example]]:
     """Deterministic held-out split of one client's examples (at least one example on each side)."""
     shuffled = list(examples)
     random.Random(seed).shuffle(shuffled)
@@ -149,7 +151,9 @@ def train_test_split(examples: list[Example], test_fraction: float, seed: int = 
     return shuffled[n_test:], shuffled[:n_test]
 
 
-def client_data(cfg: DataSection, partition_id: int, num_partitions: int, seed: int) -> tuple[list[Example], list[Example]]:
+def client_data(
+    cfg: DataSection, partition_id: int, num_partitions: int, seed: int
+) -> tuple[list[Example], list[Example]]:
     """The (train, test) examples of one client."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")

@@ -42,7 +42,10 @@ def answer_loss(model, tokenizer, examples: list[Example], batch_size: int, max_
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
         shift_logits, shift_labels = logits[:, :-1], batch["labels"][:, 1:]
         losses = torch.nn.functional.cross_entropy(
-            shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum"
+            shift_logits.reshape(-1, shift_logits.shape[-1]),
+            shift_labels.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
         )
         total += float(losses)
         count += int((shift_labels != -100).sum())
@@ -50,7 +53,9 @@ def answer_loss(model, tokenizer, examples: list[Example], batch_size: int, max_
 
 
 @torch.no_grad()
-def generate_answers(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int, max_len: int) -> list[str]:
+def generate_answers(
+    model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int, max_len: int
+) -> list[str]:
     device = next(model.parameters()).device
     answers: list[str] = []
     for i in range(0, len(examples), batch_size):
@@ -81,7 +86,9 @@ def evaluate(model, tokenizer, examples: list[Example], cfg: EvalSection, train_
     examples = examples[: cfg.max_examples]
     model.eval()
     loss = answer_loss(model, tokenizer, examples, cfg.batch_size, train_cfg.max_seq_len)
-    predictions = generate_answers(model, tokenizer, examples, cfg.batch_size, cfg.max_new_tokens, train_cfg.max_seq_len)
+    predictions = generate_answers(
+        model, tokenizer, examples, cfg.batch_size, cfg.max_new_tokens, train_cfg.max_seq_len
+    )
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     em = [exact_match(p, e.answer) for p, e in zip(predictions, examples)]
     rouge = [scorer.score(e.answer, p)["rougeL"].fmeasure for p, e in zip(predictions, examples)]

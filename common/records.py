@@ -87,8 +87,10 @@ def from_array_record(record: ArrayRecord, reference: dict[str, np.ndarray] | No
             raise ReplyError(f"a packed adapter is one array, got {len(values)}")
         key, vector = next(iter(values.items()))
         if packed and key != f"{PACKED}:{layout_digest(reference)}":
-            raise ReplyError(f"adapter layout (names or shapes) differs from the expected one: {vector.size} numbers, "
-                             f"expected {sum(_sizes(reference))} in {len(reference)} arrays")
+            raise ReplyError(
+                f"adapter layout (names or shapes) differs from the expected one: {vector.size} numbers, "
+                f"expected {sum(_sizes(reference))} in {len(reference)} arrays"
+            )
         return unpack(vector, reference)
     if reference is None or set(values) == set(reference):
         return values
@@ -102,9 +104,13 @@ def train_instruction(arrays: dict[str, np.ndarray], config: dict[str, Any]) -> 
     return RecordDict({FITINS_ARRAYS: to_array_record(arrays, packed=True), FITINS_CONFIG: ConfigRecord(config)})
 
 
-def read_train_instruction(content: RecordDict, reference: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def read_train_instruction(
+    content: RecordDict, reference: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The start adapter (as ``reference``'s names and shapes) and the config of a train instruction."""
-    return from_array_record(content.array_records[FITINS_ARRAYS], reference), dict(content.config_records[FITINS_CONFIG])
+    return from_array_record(content.array_records[FITINS_ARRAYS], reference), dict(
+        content.config_records[FITINS_CONFIG]
+    )
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +140,10 @@ def check_arrays(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray]
     """Raise ReplyError unless ``arrays`` has exactly the reference's keys and shapes and only finite values."""
     missing, extra = sorted(set(reference) - set(arrays)), sorted(set(arrays) - set(reference))
     if missing or extra:
-        raise ReplyError(f"keys differ from the adapter: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}")
+        raise ReplyError(
+            f"keys differ from the adapter: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {extra[:3]}"
+        )
     for key, ref in reference.items():
         if arrays[key].shape != ref.shape:
             raise ReplyError(f"{key}: shape {arrays[key].shape} != {ref.shape}")
@@ -142,14 +151,19 @@ def check_arrays(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray]
             raise ReplyError(f"{key}: contains NaN or Inf")
 
 
-def read_train_reply(content: RecordDict, reference: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int, dict[str, Any]]:
+def read_train_reply(
+    content: RecordDict, reference: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], int, dict[str, Any]]:
     """Decode and validate a plain-mode train reply against the arrays that were sent."""
     for key in (FITRES_ARRAYS, FITRES_NUM_EXAMPLES, FITRES_METRICS):
         if key not in content:
             raise ReplyError(f"reply lacks '{key}'")
     arrays = from_array_record(content.array_records[FITRES_ARRAYS], reference)
     check_arrays(arrays, reference)
-    num_examples = int(content.metric_records[FITRES_NUM_EXAMPLES]["num_examples"])
+    count = content.metric_records[FITRES_NUM_EXAMPLES]["num_examples"]
+    if not isinstance(count, (int, float)):  # a MetricRecord value may also be a list
+        raise ReplyError(f"num_examples must be a number, got {count!r}")
+    num_examples = int(count)
     if num_examples <= 0:
         raise ReplyError(f"num_examples must be positive, got {num_examples}")
     return arrays, num_examples, dict(content.config_records[FITRES_METRICS])
@@ -210,5 +224,7 @@ def save_arrays(arrays: dict[str, np.ndarray], out_dir: str | Path) -> Path:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}, str(out / "arrays.safetensors"))
+    save_file(
+        {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}, str(out / "arrays.safetensors")
+    )
     return out

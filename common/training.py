@@ -30,7 +30,9 @@ class Encoded:
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
     """The chat-templated prompt, ending with the assistant header (what generation starts from)."""
     if tokenizer.chat_template:
-        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
     return tokenizer(prompt + "\n")["input_ids"]
 

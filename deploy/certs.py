@@ -30,7 +30,9 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
 
 
 def _key_pem(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def make_ca(out: Path, days: int = 825):
@@ -38,8 +40,12 @@ def make_ca(out: Path, days: int = 825):
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Tessera federation CA")])
     now = dt.datetime.now(dt.timezone.utc)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(key, hashes.SHA384())
@@ -61,8 +67,11 @@ def make_server_cert(out: Path, ca_key, ca_cert, hosts: list[str], days: int = 8
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA384())
@@ -73,7 +82,9 @@ def make_server_cert(out: Path, ca_key, ca_cert, hosts: list[str], days: int = 8
 
 def make_node_keys(out: Path, index: int) -> None:
     key = ec.generate_private_key(ec.SECP384R1())
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     _write(out / f"node-{index}.key", private, private=True)
     _write(out / f"node-{index}.pub", public + b"\n")
@@ -96,7 +107,9 @@ def generate(out: Path, hosts: list[str], nodes: int, force: bool = False) -> Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="deploy/certs", help="output directory (default: deploy/certs)")
-    parser.add_argument("--hosts", default="127.0.0.1,localhost", help="comma-separated names/IPs the SuperLink is reached by")
+    parser.add_argument(
+        "--hosts", default="127.0.0.1,localhost", help="comma-separated names/IPs the SuperLink is reached by"
+    )
     parser.add_argument("--nodes", type=int, default=3, help="number of SuperNode key pairs")
     parser.add_argument("--force", action="store_true", help="overwrite existing files")
     args = parser.parse_args()

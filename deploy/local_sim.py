@@ -35,7 +35,17 @@ def flwr_env(home: Path) -> dict[str, str]:
 def flwr_run(home: Path, run_config: str, num_clients: int = 3, timeout: float = 900) -> subprocess.CompletedProcess:
     """Run the app in this repository to the end; return the finished process (stdout holds the streamed log)."""
     prepare_home(home)
-    cmd = ["flwr", "run", ".", "local", "--stream", "--federation-config", f"num-supernodes={num_clients}", "--run-config", run_config]
+    cmd = [
+        "flwr",
+        "run",
+        ".",
+        "local",
+        "--stream",
+        "--federation-config",
+        f"num-supernodes={num_clients}",
+        "--run-config",
+        run_config,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=flwr_env(home), capture_output=True, text=True, timeout=timeout)
 
 

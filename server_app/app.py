@@ -23,7 +23,14 @@ from strategies import Strategy, strategy_spec
 from strategies.base import GroupResult
 
 from .rundir import RunDirectory
-from .transport import collect_reports, evaluate_nodes, query_clients, train_group_secure, train_groups_plain, wait_for_nodes
+from .transport import (
+    collect_reports,
+    evaluate_nodes,
+    query_clients,
+    train_groups_plain,
+    train_groups_secure,
+    wait_for_nodes,
+)
 
 log = get_logger("tessera.server")
 app = ServerApp()
@@ -43,7 +50,14 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     run = RunDirectory(cfg.run_dir)
     strategy = strategy_spec(cfg.strategy).server.from_config(cfg)
     node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.node_wait_timeout)
-    log.info("strategy=%s secure=%s rounds=%d nodes=%s run-dir=%s", cfg.strategy, cfg.secure, cfg.num_server_rounds, node_ids, run.path)
+    log.info(
+        "strategy=%s secure=%s rounds=%d nodes=%s run-dir=%s",
+        cfg.strategy,
+        cfg.secure,
+        cfg.num_server_rounds,
+        node_ids,
+        run.path,
+    )
 
     first_round = 1
     clients = query_clients(grid, node_ids, cfg.round_timeout)
@@ -54,7 +68,10 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     if checkpoint is not None:
         meta, state = checkpoint
         if meta["strategy"] != strategy.name:
-            raise ValueError(f"resume: the checkpoint in {run.checkpoint_dir} is for strategy '{meta['strategy']}', not '{strategy.name}'")
+            raise ValueError(
+                f"resume: the checkpoint in {run.checkpoint_dir} is for strategy '{meta['strategy']}', "
+                f"not '{strategy.name}'"
+            )
         strategy.load_state_dict(state)
         first_round = meta["round"] + 1
         run.truncate_metrics_after(meta["round"])
@@ -73,14 +90,20 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         accepted = sum(len(r.contributors) for r in results)
         if accepted < cfg.min_train_replies:
             log.error(
-                "round %d failed: %d valid replies < min-train-replies=%d (rejected: %s); keeping the previous adapters",
-                server_round, accepted, cfg.min_train_replies, {n: why for r in results for n, why in r.rejected.items()},
+                "round %d failed: %d valid replies < min-train-replies=%d (rejected: %s); keeping the previous "
+                "adapters",
+                server_round,
+                accepted,
+                cfg.min_train_replies,
+                {n: why for r in results for n, why in r.rejected.items()},
             )
             results = [GroupResult(r.name, None, 0.0, [], r.rejected, r.metrics) for r in results]
         aggregate_started = time.perf_counter()
         strategy.update(server_round, results)
         aggregate_seconds = time.perf_counter() - aggregate_started
-        rows = _train_rows(results, aggregate_seconds, {**adapter_kind(cfg.adapter).reply_metrics, **strategy.reply_metrics})
+        rows = _train_rows(
+            results, aggregate_seconds, {**adapter_kind(cfg.adapter).reply_metrics, **strategy.reply_metrics}
+        )
         for nid, extra in report_rows.items():
             rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra)
         rows[None].update(strategy.report())
@@ -92,11 +115,17 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     plot = run.plot_eval_loss()
     strategy.plot_run(run.read_metrics(), run.path)
     log.info("done. metrics: %s | plot: %s | adapter: %s", run.metrics_path, plot, ", ".join(str(a) for a in adapters))
-    print(f"[tessera] metrics: {run.metrics_path}\n[tessera] plot: {plot}\n[tessera] adapter: {', '.join(str(a) for a in adapters)}", flush=True)
+    print(
+        f"[tessera] metrics: {run.metrics_path}\n[tessera] plot: {plot}\n"
+        f"[tessera] adapter: {', '.join(str(a) for a in adapters)}",
+        flush=True,
+    )
     return run
 
 
-def _admit_new_nodes(grid: Grid, cfg: RunConfig, strategy: Strategy, clients: dict, refused: set[int], connected: list[int]) -> list[int]:
+def _admit_new_nodes(
+    grid: Grid, cfg: RunConfig, strategy: Strategy, clients: dict, refused: set[int], connected: list[int]
+) -> list[int]:
     """This round's nodes: the connected ones the strategy knows. Nodes that connected since (a restarted
     SuperNode comes back with a new node id) are asked for their identity and added to the strategy first; a node
     that does not answer, or that the strategy cannot take, is asked once and then left out for the run."""
@@ -118,7 +147,9 @@ def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:
     return {"server-round": server_round, "num-server-rounds": cfg.num_server_rounds}
 
 
-def _collect_reports(grid: Grid, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]) -> dict[int | None, dict[str, Any]]:
+def _collect_reports(
+    grid: Grid, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]
+) -> dict[int | None, dict[str, Any]]:
     """Reports for strategies that ask; malformed ones (and those the strategy leaves out) are logged with a reason."""
     reports, rejected, sizes = collect_reports(grid, server_round, node_ids, strategy.read_report, cfg.round_timeout)
     left_out = strategy.observe_reports(server_round, {n: r for n, r in reports.items()})
@@ -130,14 +161,22 @@ def _collect_reports(grid: Grid, cfg: RunConfig, strategy: Strategy, server_roun
     return rows
 
 
-def _train_round(grid: Grid, context: Context, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]) -> list[GroupResult]:
+def _train_round(
+    grid: Grid, context: Context, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]
+) -> list[GroupResult]:
     groups = strategy.train_groups(server_round, node_ids)
     config = _train_config(cfg, server_round)
     for group in groups:
-        log.info("round %d: training group %s (%d clients)%s", server_round, group.name, len(group.members), " via SecAgg+" if cfg.secure else "")
-    if cfg.secure:  # one SecAgg+ protocol run per group
+        log.info(
+            "round %d: training group %s (%d clients)%s",
+            server_round,
+            group.name,
+            len(group.members),
+            " via SecAgg+" if cfg.secure else "",
+        )
+    if cfg.secure:  # one SecAgg+ protocol run per group, the groups at the same time (see train_groups_secure)
         examples_per_round = cfg.train.local_steps * cfg.train.batch_size * cfg.train.grad_accum_steps
-        results = [train_group_secure(grid, context, server_round, g, config, cfg.secagg, examples_per_round) for g in groups]
+        results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, examples_per_round)
     else:
         results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout)
     for group, result in zip(groups, results):
@@ -150,7 +189,9 @@ def _train_round(grid: Grid, context: Context, cfg: RunConfig, strategy: Strateg
     return results
 
 
-def _train_rows(results: list[GroupResult], aggregate_seconds: float, extra: dict[str, type | None]) -> dict[int | None, dict[str, Any]]:
+def _train_rows(
+    results: list[GroupResult], aggregate_seconds: float, extra: dict[str, type | None]
+) -> dict[int | None, dict[str, Any]]:
     """Per node: the train metrics every run has, and ``extra``: what the adapter kind and the strategy add (numbers
     as they are; lists, which travel comma-joined, see ``common.records.scalar_metrics``, decoded)."""
     rows: dict[int | None, dict[str, Any]] = {None: {"aggregate_seconds": aggregate_seconds, "rejected": {}}}
@@ -166,13 +207,26 @@ def _train_rows(results: list[GroupResult], aggregate_seconds: float, extra: dic
                 "bytes_down": metrics.get("bytes_down", 0),
                 "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),
                 "accepted": nid in result.contributors,
-                **{k: metrics[k] if kind is None else metric_list(metrics[k], kind) for k, kind in extra.items() if k in metrics},
+                **{
+                    k: metrics[k] if kind is None else metric_list(metrics[k], kind)
+                    for k, kind in extra.items()
+                    if k in metrics
+                },
             }
         rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
     return rows
 
 
-def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory, server_round: int, node_ids: list[int], train_rows, started: float) -> None:
+def _evaluate_round(
+    grid,
+    cfg: RunConfig,
+    strategy: Strategy,
+    run: RunDirectory,
+    server_round: int,
+    node_ids: list[int],
+    train_rows,
+    started: float,
+) -> None:
     arrays_by_node = {nid: strategy.eval_arrays(nid) for nid in node_ids}
     evaluated = evaluate_nodes(grid, server_round, arrays_by_node, {"server-round": server_round}, cfg.round_timeout)
     rows, totals = [], {"eval_loss": 0.0, "exact_match": 0.0, "rouge_l": 0.0, "n": 0}
@@ -184,8 +238,27 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
         row["bytes_up"] = row.get("bytes_up", 0) + row.get("report_bytes", 0)
         row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
         if isinstance(metrics, dict):
-            row.update({k: metrics.get(k) for k in ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")})
-            row.update({k.replace("-", "_"): metrics.get(k) for k in ("partition-id", "tasks", "model", "pid", "model-loads", "model-load-seconds", "peak-rss-mb", "startup-seconds")})
+            row.update(
+                {
+                    k: metrics.get(k)
+                    for k in ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")
+                }
+            )
+            row.update(
+                {
+                    k.replace("-", "_"): metrics.get(k)
+                    for k in (
+                        "partition-id",
+                        "tasks",
+                        "model",
+                        "pid",
+                        "model-loads",
+                        "model-load-seconds",
+                        "peak-rss-mb",
+                        "startup-seconds",
+                    )
+                }
+            )
             n = int(metrics.get("eval_examples", 0))
             for key in ("eval_loss", "exact_match", "rouge_l"):
                 totals[key] += float(metrics[key]) * n
@@ -193,9 +266,9 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
         else:
             row.update({"eval_loss": None, "exact_match": None, "rouge_l": None, "eval_error": metrics})
         rows.append(row)
-    n = max(totals["n"], 1)
+    total = max(totals["n"], 1)
     aggregate = {"round": server_round, "node": None, "seconds": seconds, **train_rows.get(None, {})}
-    aggregate.update({k: (totals[k] / n if totals["n"] else None) for k in ("eval_loss", "exact_match", "rouge_l")})
+    aggregate.update({k: (totals[k] / total if totals["n"] else None) for k in ("eval_loss", "exact_match", "rouge_l")})
     aggregate["bytes_up"] = sum(r.get("bytes_up", 0) for r in rows)
     aggregate["bytes_down"] = sum(r.get("bytes_down", 0) for r in rows)
     aggregate["routing_bytes_saved"] = sum(r.get("routing_bytes_saved", 0) for r in rows)
@@ -203,7 +276,11 @@ def _evaluate_round(grid, cfg: RunConfig, strategy: Strategy, run: RunDirectory,
     run.append_metrics(rows)
     log.info(
         "round %d: eval loss %s | EM %s | ROUGE-L %s | %.1fs",
-        server_round, _fmt(aggregate["eval_loss"]), _fmt(aggregate["exact_match"]), _fmt(aggregate["rouge_l"]), seconds,
+        server_round,
+        _fmt(aggregate["eval_loss"]),
+        _fmt(aggregate["exact_match"]),
+        _fmt(aggregate["rouge_l"]),
+        seconds,
     )
 
 
@@ -211,11 +288,12 @@ def _save_adapters(cfg: RunConfig, strategy: Strategy, run: RunDirectory) -> lis
     """The strategy's final adapters, each written the way its adapter kind saves a server copy (PEFT for LoRA)."""
     kind = adapter_kind(cfg.adapter)
     return [
-        kind.save_server_copy(a.arrays, cfg, a.base_model, run.path / "adapters" / a.name if a.name else run.path / "adapter")
+        kind.save_server_copy(
+            a.arrays, cfg, a.base_model, run.path / "adapters" / a.name if a.name else run.path / "adapter"
+        )
         for a in strategy.final_adapters()
     ]
 
 
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.4f}"
-

@@ -47,7 +47,9 @@ def eval_loss(rows: list[dict[str, Any]], out: Path) -> Path:
     for node in sorted({r["node"] for r in rows}, key=lambda n: (n is None, n or 0)):
         mine = sorted((r["round"], r["eval_loss"]) for r in rows if r["node"] == node)
         label = "aggregate" if node is None else f"client {client_label(rows, node)}"
-        ax.plot([m[0] for m in mine], [m[1] for m in mine], marker="o", label=label, linewidth=2.5 if node is None else 1.2)
+        ax.plot(
+            [m[0] for m in mine], [m[1] for m in mine], marker="o", label=label, linewidth=2.5 if node is None else 1.2
+        )
     integer_rounds(ax)
     ax.set_ylabel("held-out loss (answer tokens)")
     ax.set_title("Per-client evaluation loss")

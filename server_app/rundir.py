@@ -2,7 +2,8 @@
 
 Layout of ``<run-dir>``:
 - ``metrics.jsonl`` — one object per round and node (``node`` null for the aggregate row).
-- ``checkpoint/state.json`` + the ``checkpoint/state-<round>.npz`` it names — written atomically after every completed round.
+- ``checkpoint/state.json`` + the ``checkpoint/state-<round>.npz`` it names — written atomically after every
+  completed round.
 - ``eval_loss.png`` — per-client eval loss per round; a strategy's own figures beside it (e.g. SimGrad's
   ``relevance/`` and ``gates.png``).
 - ``adapter/`` (or ``adapters/<name>/``) — PEFT adapter directories loadable by ``PeftModel.from_pretrained``.
@@ -14,7 +15,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -54,14 +55,19 @@ class RunDirectory:
         os.replace(tmp, self.metrics_path)
 
     # checkpoint ----------------------------------------------------------------------------------------------
-    def save_checkpoint(self, server_round: int, strategy_name: str, state: dict[str, Arrays], meta: dict[str, Any]) -> None:
+    def save_checkpoint(
+        self, server_round: int, strategy_name: str, state: dict[str, Arrays], meta: dict[str, Any]
+    ) -> None:
         self.checkpoint_dir.mkdir(exist_ok=True)
         flat = {f"{group}/{key}": value for group, arrays in state.items() for key, value in arrays.items()}
         arrays_name = f"state-{server_round:05d}.npz"
         tmp_npz = self.checkpoint_dir / "state.tmp.npz"
-        np.savez(tmp_npz, **flat)
+        # cast: mypy checks **flat against savez's allow_pickle: bool too; names are "group/key", never "allow_pickle".
+        np.savez(tmp_npz, **cast(dict[str, Any], flat))
         tmp_json = self.checkpoint_dir / "state.tmp.json"
-        tmp_json.write_text(json.dumps({"round": server_round, "strategy": strategy_name, "arrays": arrays_name, **meta}, indent=2))
+        tmp_json.write_text(
+            json.dumps({"round": server_round, "strategy": strategy_name, "arrays": arrays_name, **meta}, indent=2)
+        )
         # this round's arrays under their own name, then the json that points at them: a crash at any point leaves
         # a json whose arrays are the ones it names (the previous round's until the json is replaced)
         os.replace(tmp_npz, self.checkpoint_dir / arrays_name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
@@ -39,6 +39,9 @@ from common.records import (
 )
 from strategies.aggregation import weighted_mean
 from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, Group, GroupResult
+
+if TYPE_CHECKING:
+    from flwr.server.strategy import Strategy
 
 log = get_logger("tessera.server")
 
@@ -70,14 +73,18 @@ def _short_reason(reason: str, limit: int = 400) -> str:
     return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
-def train_groups_plain(grid, server_round: int, groups: list[Group], config: dict[str, Any], timeout: float) -> list[GroupResult]:
+def train_groups_plain(
+    grid, server_round: int, groups: list[Group], config: dict[str, Any], timeout: float
+) -> list[GroupResult]:
     """Train every member of every group at once; return each group's weighted mean of its valid replies (each
     member's weight as the group asked, ``Group.weight_by``, reported by the member)."""
     messages = []
     for group in groups:
         for nid in group.members:
             instruction = train_instruction(group.start[nid], member_config(group, config))
-            messages.append(Message(instruction, dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round)))
+            messages.append(
+                Message(instruction, dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round))
+            )
     replies = _send(grid, messages, timeout)
     results = []
     for group in groups:
@@ -113,8 +120,43 @@ def max_weight(group: Group, examples_per_round: int) -> float:
     return float(examples_per_round) if group.weight_by == WEIGHT_BY_EXAMPLES else 1.0
 
 
+MIN_SECURE_GROUP = 3  # SecAgg+ among 2 leaks each member's update to the other; among 1 it is the update itself
+
+
+def train_groups_secure(
+    grid,
+    context: Context,
+    server_round: int,
+    groups: list[Group],
+    config: dict[str, Any],
+    cfg: SecAggSection,
+    examples_per_round: int,
+) -> list[GroupResult]:
+    """``train_group_secure`` for every group, the groups concurrently (one thread each).
+
+    The groups of a round are independent SecAgg+ runs over disjoint members: each ``SecAggPlusWorkflow`` waits on
+    its own messages (Flower's grids pull replies by message id, so concurrent callers do not take each other's
+    replies) and each client keeps its SecAgg+ state in its own context; so members of different groups train at
+    the same time instead of one group after another."""
+    if len(groups) <= 1:
+        return [train_group_secure(grid, context, server_round, g, config, cfg, examples_per_round) for g in groups]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="secagg-group") as pool:
+        futures = [
+            pool.submit(train_group_secure, grid, context, server_round, g, config, cfg, examples_per_round)
+            for g in groups
+        ]
+        return [f.result() for f in futures]
+
+
 def train_group_secure(
-    grid, context: Context, server_round: int, group: Group, config: dict[str, Any], cfg: SecAggSection,
+    grid,
+    context: Context,
+    server_round: int,
+    group: Group,
+    config: dict[str, Any],
+    cfg: SecAggSection,
     examples_per_round: int,
 ) -> GroupResult:
     """The same contract as ``train_groups_plain``, for one group, through one run of Flower's SecAgg+ protocol.
@@ -125,11 +167,19 @@ def train_group_secure(
     from flwr.server.workflow import SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
+    if len(group.members) < MIN_SECURE_GROUP:  # never in the clear instead, never a leaking group: not trained
+        why = f"secure group of {len(group.members)} < {MIN_SECURE_GROUP} members is not trained (SecAgg+ would leak)"
+        log.error("round %d group %s: %s", server_round, group.name, why)
+        return GroupResult(group.name, None, 0.0, [], rejected={nid: why for nid in group.members})
     reference = group.reply_reference(group.members[0])  # what members send back (packed: one vector)
     capture = _CaptureGroup(grid, context.run_id, group, member_config(group, config))
-    state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()})
+    state = RecordDict(
+        {MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()}
+    )
     legacy = LegacyContext(
-        Context(context.run_id, context.node_id, dict(context.node_config), state, dict(context.run_config)), strategy=capture
+        Context(context.run_id, context.node_id, dict(context.node_config), state, dict(context.run_config)),
+        # cast: a duck-typed legacy strategy; SecAgg+ only calls configure_fit / aggregate_fit on it.
+        strategy=cast("Strategy", capture),
     )
     workflow = SecAggPlusWorkflow(
         num_shares=_as_share_param(cfg.num_shares),
@@ -189,10 +239,17 @@ class _CaptureGroup:
         return None, {}
 
 
-def evaluate_nodes(grid, server_round: int, arrays_by_node: dict[int, Arrays], config: dict[str, Any], timeout: float) -> dict[int, dict | str]:
+def evaluate_nodes(
+    grid, server_round: int, arrays_by_node: dict[int, Arrays], config: dict[str, Any], timeout: float
+) -> dict[int, dict | str]:
     """Federated evaluation: each node evaluates its adapter on its held-out split; metrics or a reason per node."""
     messages = [
-        Message(eval_instruction(arrays, config), dst_node_id=nid, message_type=MessageType.EVALUATE, group_id=f"eval-{server_round}")
+        Message(
+            eval_instruction(arrays, config),
+            dst_node_id=nid,
+            message_type=MessageType.EVALUATE,
+            group_id=f"eval-{server_round}",
+        )
         for nid, arrays in arrays_by_node.items()
     ]
     out: dict[int, dict | str] = {}
@@ -208,12 +265,16 @@ def evaluate_nodes(grid, server_round: int, arrays_by_node: dict[int, Arrays], c
 def query_clients(grid, node_ids: list[int], timeout: float, required: bool = True) -> dict[int, ClientInfo]:
     """Ask every node for its initial adapter and identity (partition id, base model); nodes that fail are left out
     (with ``required``, at least one must answer)."""
-    messages = [Message(query_instruction(QUERY_INITIAL), dst_node_id=nid, message_type=MessageType.QUERY) for nid in node_ids]
+    messages = [
+        Message(query_instruction(QUERY_INITIAL), dst_node_id=nid, message_type=MessageType.QUERY) for nid in node_ids
+    ]
     clients: dict[int, ClientInfo] = {}
     for nid, reply in _send(grid, messages, timeout).items():
         try:
             arrays, identity = read_initial_reply(_content(reply))
-            clients[nid] = ClientInfo(nid, int(identity.get("partition-id", nid)), str(identity.get("model", "?")), arrays)
+            clients[nid] = ClientInfo(
+                nid, int(identity.get("partition-id", nid)), str(identity.get("model", "?")), arrays
+            )
         except (ReplyError, KeyError, TypeError, ValueError) as err:
             log.warning("node %d gave no initial adapter: %s", nid, err)
     if required and not clients:
@@ -227,8 +288,12 @@ def collect_reports(
     """Every node's report for the strategy, validated by ``read_report``: the reports, the nodes left out (with
     the reason) and each report's array bytes."""
     messages = [
-        Message(query_instruction(QUERY_REPORT, {"server-round": server_round}), dst_node_id=nid,
-                message_type=MessageType.QUERY, group_id=f"report-{server_round}")
+        Message(
+            query_instruction(QUERY_REPORT, {"server-round": server_round}),
+            dst_node_id=nid,
+            message_type=MessageType.QUERY,
+            group_id=f"report-{server_round}",
+        )
         for nid in node_ids
     ]
     reports: dict[int, Any] = {}
@@ -252,5 +317,7 @@ def wait_for_nodes(grid, minimum: int, timeout: float) -> list[int]:
         if len(nodes) >= minimum:
             return nodes
         if time.monotonic() - start > timeout:
-            raise RuntimeError(f"only {len(nodes)} node(s) connected after {timeout:.0f}s; min-train-replies is {minimum}")
+            raise RuntimeError(
+                f"only {len(nodes)} node(s) connected after {timeout:.0f}s; min-train-replies is {minimum}"
+            )
         time.sleep(1.0)

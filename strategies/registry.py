@@ -60,13 +60,18 @@ def register(spec: StrategySpec) -> StrategySpec:
     if spec.name in REGISTRY and REGISTRY[spec.name] != spec:
         raise ValueError(f"strategy '{spec.name}' is already registered")
     if spec.adapter not in ADAPTER_KINDS:
-        raise ValueError(f"strategy '{spec.name}': unknown adapter kind '{spec.adapter}' (have {sorted(ADAPTER_KINDS)})")
+        raise ValueError(
+            f"strategy '{spec.name}': unknown adapter kind '{spec.adapter}' (have {sorted(ADAPTER_KINDS)})"
+        )
     if spec.server.name != spec.name:
         raise ValueError(f"strategy '{spec.name}': its server class says name = '{spec.server.name}'")
     if spec.section is not None:
         key = spec.section.key
-        taken = set(RunConfig.model_fields) | set(ADAPTER_KINDS) | {s.section.key for s in REGISTRY.values()
-                                                                   if s.section is not None and s.name != spec.name}
+        taken = (
+            set(RunConfig.model_fields)
+            | set(ADAPTER_KINDS)
+            | {s.section.key for s in REGISTRY.values() if s.section is not None and s.name != spec.name}
+        )
         if not key or key.replace("-", "_") in taken or key in taken:
             raise ValueError(f"strategy '{spec.name}': config section key '{key}' is empty or taken")
     REGISTRY[spec.name] = spec

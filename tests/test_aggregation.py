@@ -6,7 +6,10 @@ from strategies.aggregation import secagg_error_bound, secagg_weights, weighted_
 
 def random_updates(n, seed=0):
     rng = np.random.default_rng(seed)
-    return [{"a": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)} for _ in range(n)]
+    return [
+        {"a": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
+        for _ in range(n)
+    ]
 
 
 def test_weighted_mean_matches_numpy_average():
@@ -20,7 +23,9 @@ def test_weighted_mean_matches_numpy_average():
 
 def test_equal_weights_is_plain_mean_and_single_update_is_identity():
     updates = random_updates(3, seed=1)
-    np.testing.assert_allclose(weighted_mean(updates, [1, 1, 1])["a"], np.mean([u["a"] for u in updates], axis=0), rtol=1e-6)
+    np.testing.assert_allclose(
+        weighted_mean(updates, [1, 1, 1])["a"], np.mean([u["a"] for u in updates], axis=0), rtol=1e-6
+    )
     np.testing.assert_array_equal(weighted_mean(updates[:1], [7])["b"], updates[0]["b"])
 
 

@@ -28,8 +28,15 @@ def packable_llama_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     out = tmp_path_factory.mktemp("packable-llama")
     LlamaForCausalLM(config).save_pretrained(out)
     return out
@@ -40,8 +47,10 @@ def packed_kernel(request):
     """The packed CPU kernel: bitsandbytes' own where the CPU has it, else a registered pure-torch equivalent."""
     native = bnb_cpu.cpu_kernel_available()
     if request.param == "native" and not native:
-        pytest.skip("this CPU has no AVX512-BF16, so bitsandbytes has no packed 4-bit kernel here "
-                    "(the 'emulated' variant covers the switching logic)")
+        pytest.skip(
+            "this CPU has no AVX512-BF16, so bitsandbytes has no packed 4-bit kernel here "
+            "(the 'emulated' variant covers the switching logic)"
+        )
     if request.param == "emulated" and native:
         pytest.skip("this CPU has AVX512-BF16: the 'native' variant runs the real kernel")
     if request.param == "native":
@@ -63,8 +72,9 @@ def _attach(model, kind: str):
         return attach_lora(model, LoraSection(r=4, target_modules=LORA_TARGETS), seed=3)
     from common.adapters.pqlora import PQLoraConfig, attach_pqlora
 
-    return attach_pqlora(model, PQLoraConfig(r=4, num_blocks=2, target_modules=("q_proj", "v_proj", "o_proj"),
-                                             scaling=8.0))
+    return attach_pqlora(
+        model, PQLoraConfig(r=4, num_blocks=2, target_modules=("q_proj", "v_proj", "o_proj"), scaling=8.0)
+    )
 
 
 def _infer(model) -> None:
@@ -72,8 +82,13 @@ def _infer(model) -> None:
     model.eval()
     with torch.no_grad():
         model(input_ids=IDS)
-        model.generate(input_ids=IDS[:, :4], attention_mask=torch.ones_like(IDS[:, :4]), max_new_tokens=3,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            input_ids=IDS[:, :4],
+            attention_mask=torch.ones_like(IDS[:, :4]),
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 def _adapter_grads(model, begin: str) -> dict[str, torch.Tensor]:
@@ -179,8 +194,9 @@ def test_packable_shapes():
 
     def quantised(out_features, in_features):
         m = bnb.nn.Linear4bit(in_features, out_features, bias=False, quant_type="nf4")
-        m.weight = bnb.nn.Params4bit(torch.randn(out_features, in_features), requires_grad=False,
-                                     quant_type="nf4")._quantize("cpu")
+        m.weight = bnb.nn.Params4bit(
+            torch.randn(out_features, in_features), requires_grad=False, quant_type="nf4"
+        )._quantize("cpu")
         return m
 
     assert packable(quantised(64, 128))

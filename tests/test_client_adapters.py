@@ -24,7 +24,11 @@ def context(node_id: int) -> ClientState:
 @pytest.fixture()
 def adapter(tiny_llama_dir):
     cfg = RunConfig.from_flat({"strategy": "simgrad", "pqlora.r": 2, "pqlora.blocks": 2, "simgrad.route-budget": 1})
-    return PQLoraAdapter(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), cfg), load_tokenizer(str(tiny_llama_dir)), cfg
+    return (
+        PQLoraAdapter(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), cfg),
+        load_tokenizer(str(tiny_llama_dir)),
+        cfg,
+    )
 
 
 def test_local_state_is_per_client_and_only_active_blocks_travel(adapter):

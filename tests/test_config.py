@@ -1,10 +1,9 @@
-import tomllib
-
 import pytest
+import tomllib
+from conftest import ROOT
 
 from common.adapters.lora import LoraSection
 from common.config import ConfigError, RunConfig
-from conftest import ROOT
 
 
 def pyproject_run_config() -> dict:

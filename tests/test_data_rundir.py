@@ -52,7 +52,11 @@ def test_train_test_split_is_disjoint_and_client_data_validates():
 
 def test_jsonl_source_and_missing_task(tmp_path):
     path = tmp_path / "bank.jsonl"
-    path.write_text("".join(json.dumps({"task": t, "prompt": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(6) for t in ("x", "y")))
+    path.write_text(
+        "".join(
+            json.dumps({"task": t, "prompt": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(6) for t in ("x", "y")
+        )
+    )
     bank = load_task_bank(DataSection(source=str(path), tasks=["x", "y"], max_examples_per_task=10))
     assert collections.Counter(e.task for e in bank) == {"x": 6, "y": 6}
     with pytest.raises(ValueError, match="data.tasks"):

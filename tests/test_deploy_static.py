@@ -40,8 +40,10 @@ def services(path: Path = COMPOSE) -> dict[str, dict]:
 
 def argv(service: dict) -> list[str]:
     """The container's command line: entrypoint + command, as compose passes them."""
+
     def as_list(value) -> list[str]:
         return shlex.split(value) if isinstance(value, str) else [str(v) for v in value or []]
+
     return as_list(service.get("entrypoint")) + as_list(service.get("command"))
 
 
@@ -56,8 +58,9 @@ def long_options(args: list[str]) -> list[tuple[str, str | None]]:
 
 
 def flower_services() -> dict[str, list[str]]:
-    return {name: argv(svc) for name, svc in services().items()
-            if argv(svc) and re.match(r"(flower|flwr)-", argv(svc)[0])}
+    return {
+        name: argv(svc) for name, svc in services().items() if argv(svc) and re.match(r"(flower|flwr)-", argv(svc)[0])
+    }
 
 
 def supernodes() -> dict[str, list[str]]:
@@ -88,8 +91,11 @@ def instructions(dockerfile: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
     lines = [line for line in dockerfile.read_text().splitlines() if not line.lstrip().startswith("#")]
     joined = re.sub(r"\\\n", " ", "\n".join(lines))
-    return [(kind.upper(), rest.strip()) for kind, _, rest in (line.strip().partition(" ") for line in joined.splitlines())
-            if kind]
+    return [
+        (kind.upper(), rest.strip())
+        for kind, _, rest in (line.strip().partition(" ") for line in joined.splitlines())
+        if kind
+    ]
 
 
 def arg_defaults(dockerfile: Path) -> dict[str, str]:
@@ -156,7 +162,7 @@ def test_compose_build_args_select_existing_stages():
         stages = [a.split()[-1] for kind, a in instructions(dockerfile) if kind == "FROM" and " AS " in a.upper()]
         for kind, a in instructions(dockerfile):
             if kind == "FROM" and "$" in a:
-                resolved = re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], a.split()[0])
+                resolved = re.sub(r"\$\{(\w+)\}", lambda m, args=args: args[m[1]], a.split()[0])
                 assert resolved in stages, f"{name}: FROM {a} resolves to {resolved}, not a stage of {dockerfile.name}"
 
 
@@ -195,8 +201,10 @@ def test_supernodes_partitions_keys_and_threads():
     assert "--enable-supernode-auth" in superlink and "--insecure" not in superlink
     assert superlink["--database"] != ":flwr-in-memory:"
     database_dir = str(PurePosixPath(superlink["--database"]).parent)
-    assert any(m.split(":")[1] == database_dir and m.split(":")[0] in load(COMPOSE)["volumes"]
-               for m in services()["superlink"]["volumes"]), "the state database must be on a named volume"
+    assert any(
+        m.split(":")[1] == database_dir and m.split(":")[0] in load(COMPOSE)["volumes"]
+        for m in services()["superlink"]["volumes"]
+    ), "the state database must be on a named volume"
 
 
 def test_certs_service_runs_deploy_certs_with_flags_it_accepts():
@@ -224,8 +232,11 @@ def test_certs_service_runs_deploy_certs_with_flags_it_accepts():
 
 def test_gpu_override_reserves_nvidia_devices_for_every_supernode_only():
     gpu = services(GPU_OVERRIDE)
-    with_devices = {name for name, svc in gpu.items()
-                    if ((svc.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices")}
+    with_devices = {
+        name
+        for name, svc in gpu.items()
+        if ((svc.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices")
+    }
     assert with_devices == set(supernodes()) == set(gpu), (sorted(with_devices), sorted(supernodes()))
     for name in with_devices:
         for device in gpu[name]["deploy"]["resources"]["reservations"]["devices"]:
@@ -274,11 +285,32 @@ def test_no_weights_data_or_keys_in_the_image_project_copy():
     pinned = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text())[1]
     assert defaults["TORCH_VERSION"] == pinned, "the image's torch must be the version the project is tested with"
 
-    patterns = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
-    for path in ["runs/latest/metrics.jsonl", ".flwr/config.toml", ".cache/tessera/model.safetensors",
-                 "common/__pycache__/assets.cpython-311.pyc", ".pytest_cache/v/x", "deploy/certs/ca.key",
-                 "deploy/certs/node-0.key", "model.gguf", "bench/results/r.json", ".git/HEAD"]:
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for path in [
+        "runs/latest/metrics.jsonl",
+        ".flwr/config.toml",
+        ".cache/tessera/model.safetensors",
+        "common/__pycache__/assets.cpython-311.pyc",
+        ".pytest_cache/v/x",
+        "deploy/certs/ca.key",
+        "deploy/certs/node-0.key",
+        "model.gguf",
+        "bench/results/r.json",
+        ".git/HEAD",
+    ]:
         assert dockerignored(path, patterns), f".dockerignore lets {path} into the build context"
-    for path in ["pyproject.toml", "README.md", "LICENSE", "deploy/certs.py", "deploy/__init__.py",
-                 "common/assets.py", "client_app/app.py", "server_app/app.py"]:
+    for path in [
+        "pyproject.toml",
+        "README.md",
+        "LICENSE",
+        "deploy/certs.py",
+        "deploy/__init__.py",
+        "common/assets.py",
+        "client_app/app.py",
+        "server_app/app.py",
+    ]:
         assert (ROOT / path).exists() and not dockerignored(path, patterns), f"{path} is needed in the image"

@@ -54,8 +54,14 @@ def checkpoint_round(run_dir: Path) -> int:
 
 
 def online_nodes(fed: LoopbackFederation) -> int:
-    out = subprocess.run(["flwr", "supernode", "list", CONNECTION, "--format", "json"], cwd=ROOT, env=fed.env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["flwr", "supernode", "list", CONNECTION, "--format", "json"],
+        cwd=ROOT,
+        env=fed.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     try:
         nodes = json.loads(out.stdout).get("nodes", [])
     except json.JSONDecodeError:
@@ -67,7 +73,11 @@ def test_unregistered_supernode_is_refused(federation):
     stranger = generate(federation.work / "stranger", ["127.0.0.1"], nodes=1)  # a key pair nobody registered
     proc = federation.start_node(0, key=stranger / "node-0.key", name="stranger")
     log = federation.work / "stranger.log"
-    wait_for(lambda: "Failed to activate SuperNode" in log.read_text() or proc.poll() is not None, "the stranger's refusal", timeout=90)
+    wait_for(
+        lambda: "Failed to activate SuperNode" in log.read_text() or proc.poll() is not None,
+        "the stranger's refusal",
+        timeout=90,
+    )
     federation.stop(proc)
     # the refusal itself, not just any failure (a bad flag or a TLS error would also stop the process)
     assert "Failed to activate SuperNode" in log.read_text(), log.read_text()[-2000:]
@@ -76,11 +86,14 @@ def test_unregistered_supernode_is_refused(federation):
 def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(federation):
     fed = federation
     run_dir = fed.work / "run"
-    config = (f"num-server-rounds={ROUNDS} min-train-replies=2 train.local-steps=4 eval.max-examples=4 "
-              f"eval.max-new-tokens=8 run-dir='{run_dir}'")
+    config = (
+        f"num-server-rounds={ROUNDS} min-train-replies=2 train.local-steps=4 eval.max-examples=4 "
+        f"eval.max-new-tokens=8 run-dir='{run_dir}'"
+    )
     first = fed.start_run(config, "flwr-run-1")
 
-    # 1. Once every node has evaluated round 0, kill SuperNode 2 (its whole process group, SIGKILL) while round 1 trains.
+    # 1. Once every node has evaluated round 0, kill SuperNode 2 (its whole process group, SIGKILL) while round 1
+    # trains.
     wait_for(lambda: any(r["round"] == 0 and r["node"] is None for r in read_rows(run_dir)), "round 0", logs=fed.work)
     round0 = {r["partition_id"]: r for r in read_rows(run_dir) if r["round"] == 0 and r["node"] is not None}
     assert sorted(round0) == [0, 1, 2]

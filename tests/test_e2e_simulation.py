@@ -36,7 +36,9 @@ def assert_every_client_improved(rows: list[dict], last_round: int) -> None:
     first, last = per_node(rows, 0), per_node(rows, last_round)
     assert len(first) == 3 and set(first) == set(last)
     for node, row in first.items():
-        assert last[node]["eval_loss"] < row["eval_loss"], f"client {row['partition_id']} ({row['tasks']}): loss did not fall"
+        assert last[node]["eval_loss"] < row["eval_loss"], (
+            f"client {row['partition_id']} ({row['tasks']}): loss did not fall"
+        )
     assert len({row["tasks"] for row in first.values()}) == 3  # three distinct task mixes
 
 

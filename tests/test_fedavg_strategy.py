@@ -30,24 +30,41 @@ def wide(value: float) -> dict:
 
 def two_families() -> FedAvg:
     strategy = FedAvg()
-    strategy.initialise({1: ClientInfo(1, 0, "smol", adapter(0.0)), 2: ClientInfo(2, 1, "qwen/7b", wide(0.0)),
-                         3: ClientInfo(3, 2, "smol", adapter(0.0)), 4: ClientInfo(4, 3, "qwen/7b", wide(0.0))})
+    strategy.initialise(
+        {
+            1: ClientInfo(1, 0, "smol", adapter(0.0)),
+            2: ClientInfo(2, 1, "qwen/7b", wide(0.0)),
+            3: ClientInfo(3, 2, "smol", adapter(0.0)),
+            4: ClientInfo(4, 3, "qwen/7b", wide(0.0)),
+        }
+    )
     return strategy
 
 
 def test_two_model_families_are_averaged_separately_and_resume_from_a_checkpoint():
     strategy = two_families()
     groups = {g.name: g for g in strategy.train_groups(1, [1, 2, 3, 4])}
-    assert sorted(groups) == ["qwen_7b", "smol"] and groups["smol"].members == [1, 3] and groups["qwen_7b"].members == [2, 4]
-    strategy.update(1, [GroupResult("smol", adapter(0.25), 8.0, [1, 3]), GroupResult("qwen_7b", wide(0.75), 8.0, [2, 4])])
-    assert strategy.eval_arrays(3)["x.lora_A.weight"][0, 0] == 0.25 and strategy.eval_arrays(4)["x.lora_A.weight"][0, 0] == 0.75
+    assert (
+        sorted(groups) == ["qwen_7b", "smol"]
+        and groups["smol"].members == [1, 3]
+        and groups["qwen_7b"].members == [2, 4]
+    )
+    strategy.update(
+        1, [GroupResult("smol", adapter(0.25), 8.0, [1, 3]), GroupResult("qwen_7b", wide(0.75), 8.0, [2, 4])]
+    )
+    assert (
+        strategy.eval_arrays(3)["x.lora_A.weight"][0, 0] == 0.25
+        and strategy.eval_arrays(4)["x.lora_A.weight"][0, 0] == 0.75
+    )
 
     state = strategy.state_dict()
     assert sorted(state) == ["global-qwen_7b", "global-smol"]
     resumed = two_families()  # a restarted ServerApp: same clients, then the checkpoint
     resumed.load_state_dict(state)
     for nid in (1, 2, 3, 4):
-        np.testing.assert_array_equal(resumed.eval_arrays(nid)["x.lora_A.weight"], strategy.eval_arrays(nid)["x.lora_A.weight"])
+        np.testing.assert_array_equal(
+            resumed.eval_arrays(nid)["x.lora_A.weight"], strategy.eval_arrays(nid)["x.lora_A.weight"]
+        )
     saved = {a.name: a for a in resumed.final_adapters()}
     assert sorted(saved) == ["qwen_7b", "smol"] and saved["qwen_7b"].base_model == "qwen/7b"  # PEFT needs the real name
 

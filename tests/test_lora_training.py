@@ -27,7 +27,9 @@ def test_only_lora_weights_train_and_travel(tiny):
     assert trainable and all("lora_" in n for n in trainable)
     arrays = get_adapter_arrays(model)
     assert list(arrays) == sorted(arrays) and all(a.dtype == np.float32 for a in arrays.values())
-    assert sum(a.size for a in arrays.values()) == sum(p.numel() for n, p in model.named_parameters() if p.requires_grad)
+    assert sum(a.size for a in arrays.values()) == sum(
+        p.numel() for n, p in model.named_parameters() if p.requires_grad
+    )
 
 
 def test_seeded_init_is_identical_across_processes_in_effect(tiny_llama_dir):
@@ -61,7 +63,10 @@ def test_loss_is_on_answer_tokens_only(tiny):
     assert tokenizer.decode(answer, skip_special_tokens=True) == "6"
     assert answer[-1] == tokenizer.eos_token_id
     long = encode(tokenizer, Example("t", "word " * 500, "the end"), max_len=40)
-    assert len(long.input_ids) == 40 and tokenizer.decode([t for t in long.labels if t != IGNORE], skip_special_tokens=True) == "the end"
+    assert (
+        len(long.input_ids) == 40
+        and tokenizer.decode([t for t in long.labels if t != IGNORE], skip_special_tokens=True) == "the end"
+    )
 
 
 def test_training_lowers_the_loss_and_saved_adapter_reloads(tiny, tiny_llama_dir, tmp_path):
@@ -69,7 +74,9 @@ def test_training_lowers_the_loss_and_saved_adapter_reloads(tiny, tiny_llama_dir
 
     model, tokenizer = tiny
     before = answer_loss(model, tokenizer, EXAMPLES, 4, 64)
-    metrics = train_round(model, tokenizer, EXAMPLES, TrainSection(local_steps=15, batch_size=4, learning_rate=5e-3), lr=5e-3, seed=0)
+    metrics = train_round(
+        model, tokenizer, EXAMPLES, TrainSection(local_steps=15, batch_size=4, learning_rate=5e-3), lr=5e-3, seed=0
+    )
     after = answer_loss(model, tokenizer, EXAMPLES, 4, 64)
     assert after < before - 0.1, (before, after)
     assert metrics["train_examples"] == 60 and metrics["train_tokens"] > 0
@@ -84,7 +91,13 @@ def test_training_lowers_the_loss_and_saved_adapter_reloads(tiny, tiny_llama_dir
 
 def test_evaluate_reports_all_metrics(tiny):
     model, tokenizer = tiny
-    metrics = evaluate(model, tokenizer, EXAMPLES, EvalSection(max_examples=4, batch_size=2, max_new_tokens=3), TrainSection(max_seq_len=64))
+    metrics = evaluate(
+        model,
+        tokenizer,
+        EXAMPLES,
+        EvalSection(max_examples=4, batch_size=2, max_new_tokens=3),
+        TrainSection(max_seq_len=64),
+    )
     assert metrics["eval_examples"] == 4
     assert metrics["perplexity"] == pytest.approx(np.exp(metrics["eval_loss"]))
     assert 0 <= metrics["exact_match"] <= 1 and 0 <= metrics["rouge_l"] <= 1

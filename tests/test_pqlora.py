@@ -48,8 +48,15 @@ def _wide_qwen():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(1)
-    cfg = Qwen2Config(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = Qwen2Config(
+        vocab_size=256,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = Qwen2ForCausalLM(cfg).eval()
     model.config.use_cache = False
     return model
@@ -65,6 +72,7 @@ def tiny(tiny_llama_dir):
 
 
 # 1. the per-layer formula ------------------------------------------------------------------------------------
+
 
 def test_layer_forward_matches_the_formula_and_disabled_is_the_base():
     torch.manual_seed(0)
@@ -96,6 +104,7 @@ def test_layer_forward_matches_the_formula_and_disabled_is_the_base():
 
 
 # 2. surgery, gradients, shared gates --------------------------------------------------------------------------
+
 
 def test_only_pq_and_gates_train_and_gates_are_not_duplicated(tiny):
     params = dict(tiny.named_parameters())
@@ -160,6 +169,7 @@ def test_find_decoder_blocks_through_wrappers_and_gpt2_naming(tiny):
 
 # 3. seeded orthonormal A/B -----------------------------------------------------------------------------------
 
+
 def test_a_b_orthonormal_and_seeded(tiny_llama_dir, tiny):
     other = attach_pqlora(_load(tiny_llama_dir), CFG)
     reseeded = attach_pqlora(_load(tiny_llama_dir), PQLoraConfig(**{**CFG.to_dict(), "seed": 8}))
@@ -174,20 +184,33 @@ def test_a_b_orthonormal_and_seeded(tiny_llama_dir, tiny):
 
 def test_a_b_identical_in_another_process():
     a, b = seeded_orthonormal(7, 1, "v_proj", 32, 16, 4)
-    code = ("import sys; sys.path.insert(0, '.'); from common.adapters.pqlora.layer import seeded_orthonormal as s;"
-            "a, b = s(7, 1, 'v_proj', 32, 16, 4); print(repr(a.double().sum().item()), repr(b.double().sum().item()))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    code = (
+        "import sys; sys.path.insert(0, '.'); from common.adapters.pqlora.layer import seeded_orthonormal as s;"
+        "a, b = s(7, 1, 'v_proj', 32, 16, 4); print(repr(a.double().sum().item()), repr(b.double().sum().item()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+        cwd=str(__import__("pathlib").Path(__file__).parents[1]),
+    )
     assert out.stdout.split() == [repr(a.double().sum().item()), repr(b.double().sum().item())]
 
 
 # 4. width-independent names, array I/O, local state -----------------------------------------------------------
 
+
 def test_names_and_shapes_are_width_independent(tiny):
     wide = attach_pqlora(_wide_qwen(), CFG)
     small, big = get_pq_arrays(tiny), get_pq_arrays(wide)
     assert {k: v.shape for k, v in small.items()} == {k: v.shape for k, v in big.items()}
-    assert list(small) == sorted(small) and "block0.q_proj.P" in small and all(v.dtype == np.float32 for v in small.values())
+    assert (
+        list(small) == sorted(small)
+        and "block0.q_proj.P" in small
+        and all(v.dtype == np.float32 for v in small.values())
+    )
     for prefix in {k.rsplit(".", 1)[0] for k in small}:
         assert small[f"{prefix}.P"].size + small[f"{prefix}.Q"].size == CFG.r * CFG.r + CFG.r
     assert sum(v.size for v in small.values()) == pq_num_floats(CFG)
@@ -227,10 +250,13 @@ def test_local_state_swap_and_reset(tiny):
 
 # 5. routing: trainable blocks ---------------------------------------------------------------------------------
 
+
 def test_set_trainable_blocks(tiny):
     set_trainable_blocks(tiny, [1])
     trainable = {n for n, p in tiny.named_parameters() if p.requires_grad}
-    assert trainable == {"pqlora_gates.logits.1"} | {f"model.layers.1.self_attn.{p}_proj.{w}" for p in "qv" for w in ("P_L", "Q_L")}
+    assert trainable == {"pqlora_gates.logits.1"} | {
+        f"model.layers.1.self_attn.{p}_proj.{w}" for p in "qv" for w in ("P_L", "Q_L")
+    }
     tiny(IDS, labels=IDS).loss.backward()
     norms = block_grad_norms(tiny)
     assert norms[0] == 0.0 and norms[1] > 0
@@ -241,6 +267,7 @@ def test_set_trainable_blocks(tiny):
 
 
 # 6. save / load -----------------------------------------------------------------------------------------------
+
 
 def test_save_load_reproduces_logits(tiny_llama_dir, tiny, tmp_path):
     rng = np.random.default_rng(4)
@@ -260,8 +287,14 @@ def test_save_load_reproduces_logits(tiny_llama_dir, tiny, tmp_path):
 def test_config_validation_and_dict_round_trip():
     assert PQLoraConfig.from_dict(CFG.to_dict()) == CFG
     assert PQLoraConfig(target_modules="q_proj, v_proj") == PQLoraConfig()
-    for field, bad in [("r", 0), ("num_blocks", 0), ("target_modules", ()), ("scaling", -1.0),
-                       ("gate_init", float("nan")), ("seed", -1)]:
+    for field, bad in [
+        ("r", 0),
+        ("num_blocks", 0),
+        ("target_modules", ()),
+        ("scaling", -1.0),
+        ("gate_init", float("nan")),
+        ("seed", -1),
+    ]:
         with pytest.raises(ValueError, match=field):
             PQLoraConfig(**{field: bad})
     with pytest.raises(ValueError, match="alpha"):
@@ -269,6 +302,7 @@ def test_config_validation_and_dict_round_trip():
 
 
 # 7. 4-bit base (bitsandbytes on CPU) ---------------------------------------------------------------------------
+
 
 def test_trains_on_a_4bit_base(tiny_llama_dir):
     import bitsandbytes as bnb
@@ -294,6 +328,7 @@ def test_trains_on_a_4bit_base(tiny_llama_dir):
 
 # 8. alignment -------------------------------------------------------------------------------------------------
 
+
 def test_procrustes_recovers_a_known_rotation():
     rng = np.random.default_rng(5)
     source = rng.standard_normal((50, 6))
@@ -306,7 +341,12 @@ def test_align_pq_never_worsens_and_maps_onto_the_rotated_frame():
     assert anchors.shape == (32, 4) and np.array_equal(anchors, synthetic_anchors(4, 32, seed=0))
     rng = np.random.default_rng(6)
     for _ in range(20):
-        P, Q, Pr, Qr = rng.standard_normal((4, 4)), rng.standard_normal(4), rng.standard_normal((4, 4)), rng.standard_normal(4)
+        P, Q, Pr, Qr = (
+            rng.standard_normal((4, 4)),
+            rng.standard_normal(4),
+            rng.standard_normal((4, 4)),
+            rng.standard_normal(4),
+        )
         P2, Q2, before, after = align_pq(P, Q, Pr, Qr, anchors)
         assert after <= before
         F = anchors @ P.T + Q

@@ -36,12 +36,18 @@ def test_packed_round_trip_and_positional_secagg_layout():
     np.testing.assert_array_equal(arrays["layer.lora_A.weight"], REF["layer.lora_A.weight"])
     # and named legacy arrays (one per matrix) still map by position
     legacy = fitins_to_recorddict(FitIns(ndarrays_to_parameters([REF[k] for k in sorted(REF)]), {"x": 1}), True)
-    np.testing.assert_array_equal(read_train_instruction(legacy, REF)[0]["layer.lora_B.weight"], REF["layer.lora_B.weight"])
+    np.testing.assert_array_equal(
+        read_train_instruction(legacy, REF)[0]["layer.lora_B.weight"], REF["layer.lora_B.weight"]
+    )
 
 
 def test_pack_unpack_is_exact_and_checks_the_size():
     rng = np.random.default_rng(0)
-    arrays = {"b": rng.normal(size=(3, 2)).astype(np.float32), "a": rng.normal(size=(4,)).astype(np.float32), "c": np.float32(0.5) * np.ones(())}
+    arrays = {
+        "b": rng.normal(size=(3, 2)).astype(np.float32),
+        "a": rng.normal(size=(4,)).astype(np.float32),
+        "c": np.float32(0.5) * np.ones(()),
+    }
     vector = pack(arrays)
     assert vector.shape == (11,) and vector.dtype == np.float32
     np.testing.assert_array_equal(vector[:4], arrays["a"])  # sorted-name order

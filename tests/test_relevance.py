@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from strategies.simgrad.signatures import count_sketch, probe_gradient, sanitize_signature
 from strategies.simgrad.relevance import (
     cosine_relevance,
     group_by_relevance,
@@ -16,6 +15,7 @@ from strategies.simgrad.relevance import (
     row_softmax,
     within_across_relevance,
 )
+from strategies.simgrad.signatures import count_sketch, probe_gradient, sanitize_signature
 
 
 # --- seed 001 toy (FedMosaic / SimGrad notebook), re-implemented with plain loops as an independent reference ---
@@ -37,7 +37,10 @@ def toy_softmax_rows(x, tau):
 
 def random_clients(n=5, r=3, seed=0):
     rng = np.random.default_rng(seed)
-    return [{"P": rng.normal(size=(r, r)).astype(np.float32), "Q": rng.normal(size=(r,)).astype(np.float32)} for _ in range(n)]
+    return [
+        {"P": rng.normal(size=(r, r)).astype(np.float32), "Q": rng.normal(size=(r,)).astype(np.float32)}
+        for _ in range(n)
+    ]
 
 
 def test_seed001_toy_reference():
@@ -74,7 +77,11 @@ def test_cosine_diagonal_and_zero_rows_and_softmax_checks():
 
 def test_personalised_mix_renormalises_over_providers():
     w = row_softmax(np.random.default_rng(2).normal(size=(3, 3)), 1.0)
-    updates = [{"a": np.full(2, 1.0), "b": np.full(2, 5.0)}, {"a": np.full(2, 3.0)}, {"a": np.full(2, 7.0), "b": np.full(2, 9.0)}]
+    updates = [
+        {"a": np.full(2, 1.0), "b": np.full(2, 5.0)},
+        {"a": np.full(2, 3.0)},
+        {"a": np.full(2, 7.0), "b": np.full(2, 9.0)},
+    ]
     out = personalised_mix(w, updates)
     for i in range(3):
         assert np.allclose(out[i]["a"], (w[i] @ [1.0, 3.0, 7.0]) / w[i].sum())
@@ -147,7 +154,9 @@ def test_mix_group_means_general_formula_and_missing_groups():
     means = [{"a": np.array([1.0, 2.0]), "b": np.array([4.0])}, {"a": np.array([3.0, -1.0])}]
     out = mix_group_means(w, groups, means)
     for i in range(n):
-        np.testing.assert_allclose(out[i]["a"], (wg[i, 0] * means[0]["a"] + wg[i, 1] * means[1]["a"]) / wg[i].sum(), rtol=1e-6)
+        np.testing.assert_allclose(
+            out[i]["a"], (wg[i, 0] * means[0]["a"] + wg[i, 1] * means[1]["a"]) / wg[i].sum(), rtol=1e-6
+        )
         np.testing.assert_allclose(out[i]["b"], [4.0])  # only group 0 holds "b": renormalised over it
     out = mix_group_means(w, groups, [None, {"a": np.array([3.0, -1.0])}])
     assert all(np.allclose(o["a"], [3.0, -1.0]) and "b" not in o for o in out)
@@ -166,7 +175,13 @@ def test_route_blocks():
 def test_within_across_relevance():
     families = ["a", "a", "b", "b", "b"]
     s = np.array(
-        [[1, .8, .1, .2, .0], [.8, 1, .1, .1, .1], [.1, .1, 1, .6, .7], [.2, .1, .6, 1, .5], [.0, .1, .7, .5, 1]]
+        [
+            [1, 0.8, 0.1, 0.2, 0.0],
+            [0.8, 1, 0.1, 0.1, 0.1],
+            [0.1, 0.1, 1, 0.6, 0.7],
+            [0.2, 0.1, 0.6, 1, 0.5],
+            [0.0, 0.1, 0.7, 0.5, 1],
+        ]
     )
     within, across = within_across_relevance(s, families)
     assert within == pytest.approx((0.8 + 0.6 + 0.7 + 0.5) / 4)
@@ -189,7 +204,9 @@ def test_sanitize_signature():
     sig, _ = sanitize_signature(g[:3], None, 0.5, 0.0, 0.01, np.random.default_rng(1))
     assert np.count_nonzero(sig) == 1  # at least one coordinate survives
     sig, _ = sanitize_signature(g, None, 0.0, 0.5, 1.0, np.random.default_rng(2))
-    assert np.std(sig - g) == pytest.approx(0.5 * np.sqrt(np.mean(g.astype(np.float64) ** 2)), rel=0.1)  # relative noise
+    assert np.std(sig - g) == pytest.approx(
+        0.5 * np.sqrt(np.mean(g.astype(np.float64) ** 2)), rel=0.1
+    )  # relative noise
     grads, ema, ref = [rng.normal(size=50) for _ in range(4)], None, None
     for step, grad in enumerate(grads):
         _, ema = sanitize_signature(grad, ema, 0.7, 0.1, 0.5, np.random.default_rng(step))
@@ -237,11 +254,15 @@ def test_probe_gradient_matches_autograd_sketch(tiny_llama_dir):
     weight = head.weight.detach().clone().requires_grad_(True)
     logits = captured["h"] @ weight.T
     labels = batch["labels"]
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE)
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE
+    )
     assert float(loss.detach()) == pytest.approx(float(hf_loss), rel=1e-5)  # the hook sees the real head input
     loss.backward()
     bucket, sign = count_sketch(weight.shape[0], buckets, seed)
-    ref = torch.zeros((buckets, weight.shape[1])).index_add_(0, torch.from_numpy(bucket), weight.grad * torch.from_numpy(sign)[:, None])
+    ref = torch.zeros((buckets, weight.shape[1])).index_add_(
+        0, torch.from_numpy(bucket), weight.grad * torch.from_numpy(sign)[:, None]
+    )
     ref = ref.numpy().ravel()
     assert np.linalg.norm(probe - ref) <= 1e-5 * np.linalg.norm(ref)
     assert not any(p.requires_grad for p in model.parameters()) and not model.training

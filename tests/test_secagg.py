@@ -22,14 +22,20 @@ MAX_WEIGHT = 40.0
 
 
 # PQ-LoRA's arrays (SimGrad): members receive every block's global P/Q but send back only the routed block.
-PQ_START = {f"block{b}.q_proj.{k}": np.full((2, 2) if k == "P" else (2,), 0.1 * b, np.float32) for b in range(2) for k in ("P", "Q")}
+PQ_START = {
+    f"block{b}.q_proj.{k}": np.full((2, 2) if k == "P" else (2,), 0.1 * b, np.float32)
+    for b in range(2)
+    for k in ("P", "Q")
+}
 PQ_SEND_BACK = ["block1.q_proj.P", "block1.q_proj.Q"]
 
 
 def client_update(partition_id: int, start=START, send_back=None) -> tuple[dict, int]:
     rng = np.random.default_rng(partition_id)
     names = send_back or sorted(start)
-    return {k: start[k] + rng.normal(scale=0.5, size=start[k].shape).astype(np.float32) for k in names}, 10 * (partition_id + 1)
+    return {k: start[k] + rng.normal(scale=0.5, size=start[k].shape).astype(np.float32) for k in names}, 10 * (
+        partition_id + 1
+    )
 
 
 def run_secure_round(tmp_path, num_nodes: int, start=START, send_back=None):
@@ -52,14 +58,23 @@ def run_secure_round(tmp_path, num_nodes: int, start=START, send_back=None):
         nodes = wait_for_nodes(grid, num_nodes, timeout=120)
         group = Group("all", {n: start for n in nodes}, send_back, {"active-blocks": "1"} if send_back else {})
         result = train_group_secure(grid, context, 1, group, {"server-round": 1}, SecAggSection(), MAX_WEIGHT)
-        out_file.write_text(json.dumps({
-            "mean": {k: v.tolist() for k, v in result.mean.items()},
-            "partitions": sorted(m["partition-id"] for m in result.metrics.values()),
-            "examples": {str(m["partition-id"]): m["num_examples"] for m in result.metrics.values()},
-            "rejected": result.rejected,
-        }))
+        out_file.write_text(
+            json.dumps(
+                {
+                    "mean": {k: v.tolist() for k, v in result.mean.items()},
+                    "partitions": sorted(m["partition-id"] for m in result.metrics.values()),
+                    "examples": {str(m["partition-id"]): m["num_examples"] for m in result.metrics.values()},
+                    "rejected": result.rejected,
+                }
+            )
+        )
 
-    run_simulation(server_app=server, client_app=client, num_supernodes=num_nodes, backend_config={"client_resources": {"num_cpus": 1}})
+    run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=num_nodes,
+        backend_config={"client_resources": {"num_cpus": 1}},
+    )
     return json.loads(out_file.read_text())
 
 

@@ -22,7 +22,9 @@ def reports(n: int, seed: int = 0, salience=None) -> dict[int, ClientReport]:
     rng = np.random.default_rng(seed)
     family = [rng.normal(size=16) for _ in range(2)]  # two task families
     return {
-        100 + i: ClientReport(family[i % 2] + 0.1 * rng.normal(size=16), np.asarray(salience[i] if salience else [1.0, 2.0]))
+        100 + i: ClientReport(
+            family[i % 2] + 0.1 * rng.normal(size=16), np.asarray(salience[i] if salience else [1.0, 2.0])
+        )
         for i in range(n)
     }
 
@@ -76,7 +78,9 @@ def test_routing_sends_only_salient_blocks_and_keeps_the_others():
     strategy.update(1, [GroupResult(g.name, ups[i], 8.0, g.members) for i, g in enumerate(groups)])
     mixed = strategy.eval_arrays(100)
     # block 1 was sent by clients 0 and 2: their uniform mean; block 0 only by client 1
-    np.testing.assert_allclose(mixed["block1.q_proj.P"], (ups[0]["block1.q_proj.P"] + ups[2]["block1.q_proj.P"]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(
+        mixed["block1.q_proj.P"], (ups[0]["block1.q_proj.P"] + ups[2]["block1.q_proj.P"]) / 2, rtol=1e-6
+    )
     np.testing.assert_allclose(mixed["block0.q_proj.P"], ups[1]["block0.q_proj.P"], rtol=1e-6)
 
 

@@ -6,7 +6,6 @@ between messages, its reply metrics reach metrics.jsonl."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,7 @@ def toymean(monkeypatch):
     REGISTRY.pop(toy_strategy.SPEC.name, None)  # other tests see only the built-in strategies
 
 
-def run(run_config: dict) -> None:
+def run(run_config: dict, nodes: int = 3) -> None:
     client = _client_app(run_config)
     server = ServerApp()
 
@@ -44,8 +43,9 @@ def run(run_config: dict) -> None:
         context.run_config = dict(run_config)
         run_federation(grid, context)
 
-    run_simulation(server_app=server, client_app=client, num_supernodes=3,
-                   backend_config={"client_resources": {"num_cpus": 1}})
+    run_simulation(
+        server_app=server, client_app=client, num_supernodes=nodes, backend_config={"client_resources": {"num_cpus": 1}}
+    )
 
 
 def _client_app(run_config: dict) -> ClientApp:
@@ -55,6 +55,7 @@ def _client_app(run_config: dict) -> ClientApp:
 
     def handle(kind: str, msg: Message, context: Context) -> Message:
         import toy_strategy  # noqa: F401  (registers the toy in this worker process)
+
         from client_app.handlers import handle as real_handle
 
         # run_simulation has no run config: the same client (node config, state) with ours
@@ -69,10 +70,20 @@ def _client_app(run_config: dict) -> ClientApp:
 
 def config(tiny_llama_dir, run_dir: Path, **extra) -> dict:
     return {
-        "strategy": "toymean", "model.name": str(tiny_llama_dir), "model.quantization": "fp32", "model.device": "cpu",
-        "num-server-rounds": 2, "min-train-replies": 3, "train.local-steps": 2, "train.batch-size": 1,
+        "strategy": "toymean",
+        "model.name": str(tiny_llama_dir),
+        "model.quantization": "fp32",
+        "model.device": "cpu",
+        "num-server-rounds": 2,
+        "min-train-replies": 3,
+        "train.local-steps": 2,
+        "train.batch-size": 1,
         "train.learning-rate": 0.1,  # updates that differ between clients, so that weights matter
-        "eval.max-examples": 1, "eval.max-new-tokens": 2, "run-dir": str(run_dir), "node-wait-timeout": 120.0, **extra,
+        "eval.max-examples": 1,
+        "eval.max-new-tokens": 2,
+        "run-dir": str(run_dir),
+        "node-wait-timeout": 120.0,
+        **extra,
     }
 
 
@@ -108,10 +119,45 @@ def test_a_registered_toy_strategy_runs_end_to_end(toymean, tiny_llama_dir, tmp_
         bound = 1e-6
     for key, value in expected.items():
         assert np.abs(final[key] - value).max() <= bound, key
-    unweighted = weighted_mean([dict(np.load(run_dir / "toy-updates" / f"partition-{p}-round-2.npz")) for p in range(3)],
-                               [1.0, 1.0, 1.0])
+    unweighted = weighted_mean(
+        [dict(np.load(run_dir / "toy-updates" / f"partition-{p}-round-2.npz")) for p in range(3)], [1.0, 1.0, 1.0]
+    )
     assert max(np.abs(final[k] - unweighted[k]).max() for k in final) > 10 * bound  # the weighting mattered
     assert (run_dir / "adapter" / "adapter_config.json").exists()  # saved the way its adapter kind (LoRA) saves
 
 
-del sys  # imported for readers who run this file alone: PYTHONPATH above is what the workers need
+def test_secure_groups_of_a_round_run_concurrently_and_each_sums_its_own_members(toymean, tiny_llama_dir, tmp_path):
+    """Two SecAgg+ groups in one round (6 clients, partition id mod 2), run at the same time: each group's mean is
+    its own members' weighted mean, and the global adapter is the average of the two."""
+    run_dir = tmp_path / "run"
+    run(config(tiny_llama_dir, run_dir, secure=True, **{"num-server-rounds": 1, "toymean.groups": 2}), nodes=6)
+    from server_app.rundir import RunDirectory
+
+    _, state = RunDirectory(run_dir).load_checkpoint()
+    updates = {p: dict(np.load(run_dir / "toy-updates" / f"partition-{p}-round-1.npz")) for p in range(6)}
+    group_means, bound = [], 0.0
+    for g in (0, 1):
+        members = [p for p in range(6) if p % 2 == g]
+        group_means.append(weighted_mean([updates[p] for p in members], [p + 1.0 for p in members]))
+        scaled = secagg_weights([p + 1 for p in members], max_weight=6.0)
+        bound = max(
+            bound, secagg_error_bound(scaled, SecAggSection().clipping_range, SecAggSection().quantization_range)
+        )
+    for key in state["global"]:
+        expected = (group_means[0][key] + group_means[1][key]) / 2
+        assert np.abs(state["global"][key] - expected).max() <= bound, key
+    log = [r for r in _rows(run_dir) if r["round"] == 1 and r["node"] is not None]
+    assert sorted(r["group"] for r in log) == ["g0"] * 3 + ["g1"] * 3 and all(r["accepted"] for r in log)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_secure_group_of_fewer_than_three_is_not_trained():
+    from server_app.transport import train_group_secure
+    from strategies import Group
+
+    start = {"w": np.zeros(2, np.float32)}
+    result = train_group_secure(None, None, 1, Group("pair", {1: start, 2: start}), {}, SecAggSection(), 8)
+    assert result.mean is None and set(result.rejected) == {1, 2} and "2 < 3" in result.rejected[1]

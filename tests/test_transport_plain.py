@@ -35,15 +35,23 @@ class InMemoryGrid:
             nid = msg.metadata.dst_node_id
             if "fitins.parameters" in msg.content:
                 arrays, config = read_train_instruction(msg.content, START)
-                out = self.behaviour[nid](arrays, config) if "config" in self.behaviour[nid].__code__.co_varnames else self.behaviour[nid](arrays)
+                out = (
+                    self.behaviour[nid](arrays, config)
+                    if "config" in self.behaviour[nid].__code__.co_varnames
+                    else self.behaviour[nid](arrays)
+                )
             else:
                 out = self.behaviour[nid](msg.content)
             if out is None:
                 continue
-            if isinstance(out, str) and out == "offline":  # the SuperLink answers for a node that stopped sending heartbeats
+            if (
+                isinstance(out, str) and out == "offline"
+            ):  # the SuperLink answers for a node that stopped sending heartbeats
                 from flwr.app import Error
 
-                reply = Message(Error(code=5, reason="The node is offline: no heartbeat within 2 x its interval."), reply_to=msg)
+                reply = Message(
+                    Error(code=5, reason="The node is offline: no heartbeat within 2 x its interval."), reply_to=msg
+                )
                 reply.metadata.__dict__["_src_node_id"] = 0  # from the SuperLink, not the node
             else:
                 reply = Message(out, reply_to=msg)
@@ -101,10 +109,13 @@ def test_groups_train_in_one_batch_and_return_only_their_send_back_names():
         def reply(arrays, config):
             seen[nid] = config["active-blocks"]
             return train_reply({"w.lora_A.weight": arrays["w.lora_A.weight"] + nid}, 4, {})
+
         return reply
 
     grid = InMemoryGrid({1: routed(1), 2: routed(2), 3: lambda a: train_reply(a, 4, {})})  # 3 sends too much
-    groups = [Group(f"p{n}", {n: START}, send_back=["w.lora_A.weight"], config={"active-blocks": "0"}) for n in (1, 2, 3)]
+    groups = [
+        Group(f"p{n}", {n: START}, send_back=["w.lora_A.weight"], config={"active-blocks": "0"}) for n in (1, 2, 3)
+    ]
     results = train_groups_plain(grid, 1, groups, {"server-round": 1}, timeout=1.0)
     assert grid.batches == 1 and seen == {1: "0", 2: "0"}
     assert [sorted(r.mean) if r.mean else None for r in results] == [["w.lora_A.weight"], ["w.lora_A.weight"], None]
@@ -125,12 +136,16 @@ def test_malformed_signatures_are_left_out_of_the_relevance_matrix_with_a_reason
         8: lambda content: report_reply({"sig": good_sig}, {"salience": [0.1, 0.1]}),  # not a signature
     }
     strategy = SimGrad(SimGradSection())
-    two_blocks = {f"block{b}.q_proj.{k}": np.zeros((2, 2) if k == "P" else (2,), np.float32) for b in (0, 1) for k in "PQ"}
+    two_blocks = {
+        f"block{b}.q_proj.{k}": np.zeros((2, 2) if k == "P" else (2,), np.float32) for b in (0, 1) for k in "PQ"
+    }
     strategy.initialise({n: ClientInfo(n, n, "m", two_blocks) for n in behaviour})
     server_log = logging.getLogger("tessera.server")
     server_log.addHandler(caplog.handler)
     try:
-        reports, rejected, sizes = collect_reports(InMemoryGrid(behaviour), 1, sorted(behaviour), strategy.read_report, 1.0)
+        reports, rejected, sizes = collect_reports(
+            InMemoryGrid(behaviour), 1, sorted(behaviour), strategy.read_report, 1.0
+        )
         left_out = strategy.observe_reports(1, reports)
     finally:
         server_log.removeHandler(caplog.handler)
@@ -156,7 +171,9 @@ def test_a_late_node_that_does_not_answer_is_asked_once():
     from server_app.app import _admit_new_nodes
     from strategies.fedavg import FedAvg
 
-    grid = InMemoryGrid({3: lambda content: initial_reply(START, {"partition-id": 2, "model": "m"}), 4: lambda content: None})
+    grid = InMemoryGrid(
+        {3: lambda content: initial_reply(START, {"partition-id": 2, "model": "m"}), 4: lambda content: None}
+    )
     strategy, clients, refused = FedAvg(), {}, set()
     strategy.initialise({1: ClientInfo(1, 0, "m", START)})
     clients[1] = ClientInfo(1, 0, "m", START)
@@ -188,8 +205,12 @@ def test_fedavg_equals_flowers_own_fedavg_on_the_same_replies():
     for nid, update in updates.items():
         instruction = Message(RecordDict(), dst_node_id=nid, message_type=MessageType.TRAIN)
         instruction.metadata.__dict__["_message_id"] = instruction.object_id
-        content = RecordDict({"arrays": ArrayRecord([update[k] for k in sorted(update)]),
-                              "metrics": MetricRecord({"num-examples": examples[nid]})})
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord([update[k] for k in sorted(update)]),
+                "metrics": MetricRecord({"num-examples": examples[nid]}),
+            }
+        )
         replies.append(Message(content, reply_to=instruction))
     flower, _ = FlowerFedAvg().aggregate_train(1, replies)
     theirs = flower.to_numpy_ndarrays()

@@ -14,8 +14,15 @@ import pytest
 from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 
 from client_app import app, worker
-from common.records import QUERY_INITIAL, eval_instruction, query_instruction, read_initial_reply, read_metrics, read_train_reply, train_instruction
-
+from common.records import (
+    QUERY_INITIAL,
+    eval_instruction,
+    query_instruction,
+    read_initial_reply,
+    read_metrics,
+    read_train_reply,
+    train_instruction,
+)
 
 pytestmark = pytest.mark.usefixtures("task_identity")  # Messages built outside an app (conftest)
 
@@ -34,9 +41,15 @@ def launcher(monkeypatch):
 
 def run_config(tiny_llama_dir, tmp_path, **extra) -> dict:
     return {
-        "model.name": str(tiny_llama_dir), "model.quantization": "fp32", "model.device": "cpu",
-        "train.local-steps": 1, "train.batch-size": 1, "eval.max-examples": 1, "eval.max-new-tokens": 2,
-        "run-dir": str(tmp_path / "run"), **extra,
+        "model.name": str(tiny_llama_dir),
+        "model.quantization": "fp32",
+        "model.device": "cpu",
+        "train.local-steps": 1,
+        "train.batch-size": 1,
+        "eval.max-examples": 1,
+        "eval.max-new-tokens": 2,
+        "run-dir": str(tmp_path / "run"),
+        **extra,
     }
 
 
@@ -56,8 +69,13 @@ def wait_until(condition, timeout: float) -> bool:
 
 
 def test_worker_keeps_the_model_and_the_client_state(tiny_llama_dir, tmp_path, launcher):
-    context = Context(run_id=1, node_id=7, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
-                      run_config=run_config(tiny_llama_dir, tmp_path, strategy="simgrad", **{"pqlora.blocks": 2}))
+    context = Context(
+        run_id=1,
+        node_id=7,
+        node_config={"partition-id": 1, "num-partitions": 2},
+        state=RecordDict(),
+        run_config=run_config(tiny_llama_dir, tmp_path, strategy="simgrad", **{"pqlora.blocks": 2}),
+    )
     context.state["secaggplus.mine"] = ArrayRecord()  # not the app's: must stay as it is
     sock = worker.ensure_worker(launcher.pid, idle_timeout=120)
     assert worker.ensure_worker(launcher.pid, idle_timeout=120) == sock  # the running worker is found, not doubled
@@ -77,13 +95,24 @@ def test_worker_keeps_the_model_and_the_client_state(tiny_llama_dir, tmp_path, l
     assert {"pqlora.local", "pqlora.global"} <= set(context.state) and "secaggplus.mine" in context.state
     local_after_train = dict(context.state["pqlora.local"])
 
-    reply = worker.call(sock, "evaluate", message(eval_instruction(update | {k: v for k, v in start.items() if k not in update}, {"server-round": 1}), MessageType.EVALUATE), context, 0.0)
+    reply = worker.call(
+        sock,
+        "evaluate",
+        message(
+            eval_instruction(update | {k: v for k, v in start.items() if k not in update}, {"server-round": 1}),
+            MessageType.EVALUATE,
+        ),
+        context,
+        0.0,
+    )
     assert np.isfinite(read_metrics(reply.content)["eval_loss"])
     assert set(context.state["pqlora.local"]) == set(local_after_train)
 
 
 def test_handler_errors_reach_the_clientapp_and_the_worker_keeps_serving(tiny_llama_dir, tmp_path, launcher):
-    context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config=run_config(tiny_llama_dir, tmp_path))
+    context = Context(
+        run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config=run_config(tiny_llama_dir, tmp_path)
+    )
     sock = worker.ensure_worker(launcher.pid, idle_timeout=120)
     with pytest.raises(worker.WorkerError, match="unknown query 'nonsense'"):
         worker.call(sock, "query", message(query_instruction("nonsense"), MessageType.QUERY), context, 0.0)
@@ -102,8 +131,13 @@ def test_worker_exits_when_its_launcher_is_gone(tiny_llama_dir, tmp_path, launch
 def test_an_idle_worker_exits_and_the_next_message_starts_another(tiny_llama_dir, tmp_path, launcher):
     """Whenever the idle exit happens (even while a message is on its way: the worker accepts a message or exits,
     under one lock, and a message it did not accept goes to a new worker), every message gets its answer."""
-    context = Context(run_id=1, node_id=7, node_config={"worker": "on", "worker-idle-timeout": 1}, state=RecordDict(),
-                      run_config=run_config(tiny_llama_dir, tmp_path))
+    context = Context(
+        run_id=1,
+        node_id=7,
+        node_config={"worker": "on", "worker-idle-timeout": 1},
+        state=RecordDict(),
+        run_config=run_config(tiny_llama_dir, tmp_path),
+    )
     query = message(query_instruction(QUERY_INITIAL), MessageType.QUERY)
     first = read_initial_reply(app.dispatch("query", query, context).content)[1]
     sock = worker.socket_path(subprocess.os.getppid())

@@ -3,7 +3,8 @@ half with its own client state, its own config section, and a registry entry. ``
 end to end (plain and SecAgg+) through the real ServerApp, ClientApp and transport.
 
 "toymean": the mean of the clients' LoRA adapters weighted by partition id + 1 (a weighting FedAvg does not
-have), moved towards by ``toymean.step``. Each client counts the rounds it trained (client state) and reports it;
+have), moved towards by ``toymean.step``; with ``toymean.groups`` = g, clients form g groups (partition id mod g)
+whose means are averaged. Each client counts the rounds it trained (client state) and reports it;
 it also writes every update it sends to the run directory, so the test can recompute the server's mean.
 """
 
@@ -26,6 +27,7 @@ class ToyMeanSection(Section):
 
     key: ClassVar[str] = "toymean"
     step: float = Field(1.0, gt=0, le=1)
+    groups: int = Field(1, ge=1)
 
 
 class ToyMean(Strategy):
@@ -34,28 +36,35 @@ class ToyMean(Strategy):
     name = "toymean"
     reply_metrics = {"rounds_trained": None}
 
-    def __init__(self, step: float = 1.0) -> None:
-        self.step = step
+    def __init__(self, step: float = 1.0, groups: int = 1) -> None:
+        self.step, self.groups = step, groups
         self.global_arrays: Arrays = {}
+        self.partition_of: dict[int, int] = {}
         self.model = ""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> ToyMean:
-        return cls(cfg.section(ToyMeanSection).step)
+        section = cfg.section(ToyMeanSection)
+        return cls(section.step, section.groups)
 
     def initialise(self, clients: dict[int, ClientInfo]) -> None:
-        for info in clients.values():
+        for nid, info in clients.items():
             self.global_arrays = self.global_arrays or {k: v.copy() for k, v in info.initial.items()}
             self.model = self.model or info.model
+            self.partition_of[nid] = info.partition_id
 
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
-        start = {nid: self.global_arrays for nid in node_ids}
-        return [Group("all", start, weight_by=WEIGHT_BY_PARTITION, max_weight=float(len(node_ids)))]
+        groups = []
+        for g in range(self.groups):
+            start = {nid: self.global_arrays for nid in node_ids if self.partition_of[nid] % self.groups == g}
+            groups.append(Group(f"g{g}", start, weight_by=WEIGHT_BY_PARTITION, max_weight=float(len(node_ids))))
+        return groups
 
     def update(self, server_round: int, results: list[GroupResult]) -> None:
-        for result in results:
-            if result.mean is not None:
-                self.global_arrays = {k: v + self.step * (result.mean[k] - v) for k, v in self.global_arrays.items()}
+        means = [r.mean for r in results if r.mean is not None]
+        if means:
+            target = {k: np.mean([m[k] for m in means], axis=0) for k in self.global_arrays}
+            self.global_arrays = {k: v + self.step * (target[k] - v) for k, v in self.global_arrays.items()}
 
     def eval_arrays(self, node_id: int) -> Arrays:
         return self.global_arrays

@@ -43,14 +43,22 @@ class FedAvg(Strategy):
             self.model_of_family.setdefault(family, info.model)
             self.global_arrays.setdefault(family, {k: v.copy() for k, v in info.initial.items()})
         if len(self.global_arrays) > 1:
-            log.info("fedavg: %d model families, averaged separately: %s", len(self.global_arrays), sorted(self.global_arrays))
+            log.info(
+                "fedavg: %d model families, averaged separately: %s",
+                len(self.global_arrays),
+                sorted(self.global_arrays),
+            )
 
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
         groups: dict[str, Group] = {}
         for nid in node_ids:
             family = self.family_of.get(nid)
             if family is None:
-                log.warning("round %d: node %d joined after round 0; it is not trained until the run restarts", server_round, nid)
+                log.warning(
+                    "round %d: node %d joined after round 0; it is not trained until the run restarts",
+                    server_round,
+                    nid,
+                )
                 continue
             groups.setdefault(family, Group(family, {})).start[nid] = self.global_arrays[family]
         return list(groups.values())
@@ -76,10 +84,14 @@ class FedAvg(Strategy):
             return
         for family in self.global_arrays:
             if f"global-{family}" not in state:
-                raise ValueError(f"resume: the checkpoint has no adapter for model family '{family}' (has {sorted(state)})")
+                raise ValueError(
+                    f"resume: the checkpoint has no adapter for model family '{family}' (has {sorted(state)})"
+                )
             self.global_arrays[family] = state[f"global-{family}"]
 
     def final_adapters(self) -> list[FinalAdapter]:
         single = len(self.global_arrays) == 1
-        return [FinalAdapter("" if single else family, self.model_of_family.get(family, family), arrays)
-                for family, arrays in self.global_arrays.items()]
+        return [
+            FinalAdapter("" if single else family, self.model_of_family.get(family, family), arrays)
+            for family, arrays in self.global_arrays.items()
+        ]

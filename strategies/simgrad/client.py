@@ -55,15 +55,32 @@ class SimGradClient(StrategyClient):
         salience = adapter.salience(lambda model: batch_loss(model, rt.tokenizer, batch, rt.cfg.train.max_seq_len))
         probe = rt.probe(cfg.probe_model)
         with probe.adapter.disabled() if probe.adapter is not None else nullcontext():  # the FROZEN base
-            gradient = probe_gradient(probe.model, probe.tokenizer, examples, cfg.sketch_buckets, seed=rt.cfg.seed,
-                                      max_len=rt.cfg.train.max_seq_len)
+            gradient = probe_gradient(
+                probe.model,
+                probe.tokenizer,
+                examples,
+                cfg.sketch_buckets,
+                seed=rt.cfg.seed,
+                max_len=rt.cfg.train.max_seq_len,
+            )
         kept = state.get(SIGNATURE_EMA)
         noise_rng = np.random.default_rng([rt.cfg.seed, server_round, rt.partition_id])
-        signature, ema = sanitize_signature(gradient, None if kept is None else kept["ema"], cfg.ema_decay,
-                                            cfg.noise_scale, cfg.keep_fraction, noise_rng)
+        signature, ema = sanitize_signature(
+            gradient,
+            None if kept is None else kept["ema"],
+            cfg.ema_decay,
+            cfg.noise_scale,
+            cfg.keep_fraction,
+            noise_rng,
+        )
         state.put(SIGNATURE_EMA, {"ema": ema})
-        log.info("partition %d round %d: signature %d numbers, salience %s", rt.partition_id, server_round,
-                 signature.size, [f"{s:.3g}" for s in salience])
+        log.info(
+            "partition %d round %d: signature %d numbers, salience %s",
+            rt.partition_id,
+            server_round,
+            signature.size,
+            [f"{s:.3g}" for s in salience],
+        )
         return {"signature": signature}, {"salience": [float(s) for s in salience]}
 
     def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:

@@ -13,7 +13,10 @@ def relevance(server_round: int, row: dict[str, Any], out: Path) -> Path:
     import numpy as np
 
     plt = pyplot()
-    labels = [f"p{p}\n{m.split('-')[0][:8]}" for p, m in zip(row.get("relevance_partitions", []), row.get("relevance_models", []))]
+    labels = [
+        f"p{p}\n{m.split('-')[0][:8]}"
+        for p, m in zip(row.get("relevance_partitions", []), row.get("relevance_models", []))
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(9, 4))
     for ax, key, title, limits in (
         (axes[0], "relevance", "cosine relevance S", (-1, 1)),
@@ -22,7 +25,15 @@ def relevance(server_round: int, row: dict[str, Any], out: Path) -> Path:
         matrix = np.asarray(row.get(key) or [[np.nan]], dtype=float)
         image = ax.imshow(matrix, vmin=limits[0], vmax=limits[1], cmap="viridis")
         for (i, j), value in np.ndenumerate(matrix):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="white" if value < np.mean(limits) else "black")
+            ax.text(
+                j,
+                i,
+                f"{value:.2f}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if value < np.mean(limits) else "black",
+            )
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
         ax.set_title(f"round {server_round}: {title}", fontsize=9)
@@ -38,7 +49,12 @@ def gates(rows: list[dict[str, Any]], out: Path) -> Path:
     for node in sorted({r["node"] for r in rows}):
         mine = sorted((r["round"], r["beta"]) for r in rows if r["node"] == node)
         for block in range(len(mine[0][1])):
-            ax.plot([m[0] for m in mine], [m[1][block] for m in mine], marker=".", label=f"client {client_label(rows, node)} block {block}")
+            ax.plot(
+                [m[0] for m in mine],
+                [m[1][block] for m in mine],
+                marker=".",
+                label=f"client {client_label(rows, node)} block {block}",
+            )
     integer_rounds(ax)
     ax.set_ylabel("beta (global share)")
     ax.set_title("PQ-LoRA gates")

@@ -76,7 +76,9 @@ def _names(dicts: Sequence[Arrays | None]) -> list[str]:
     return list(dict.fromkeys(k for d in dicts if d is not None for k in d))
 
 
-def personalised_mix(weights: np.ndarray, updates: list[Arrays], available: list[set[str]] | None = None) -> list[Arrays]:
+def personalised_mix(
+    weights: np.ndarray, updates: list[Arrays], available: list[set[str]] | None = None
+) -> list[Arrays]:
     """Client i's aggregate of name k: sum_j w_ij x_j[k] / sum_j w_ij over the clients j that provided k.
 
     ``available[j]`` is the set of names client j provided (default: the keys of ``updates[j]``); a client that
@@ -138,6 +140,8 @@ def group_by_relevance(scores: np.ndarray, min_size: int = 3) -> list[list[int]]
                 score = s[np.ix_(clusters[a], clusters[b])].mean()
                 if best_pair is None or score > best:
                     best, best_pair = score, (a, b)
+        # Some cluster is below min_size and there are >= 2 clusters (n >= min_size), so a pair was scored.
+        assert best_pair is not None
         a, b = best_pair
         clusters[a] = sorted(clusters[a] + clusters[b])
         del clusters[b]
@@ -169,8 +173,9 @@ def mix_group_means(weights: np.ndarray, groups: list[list[int]], group_means: l
     n = wg.shape[0]
     out: list[Arrays] = [{} for _ in range(n)]
     for key in _names(group_means):
-        holders = [g for g, mean in enumerate(group_means) if mean is not None and key in mean]
-        stack = np.stack([np.asarray(group_means[g][key], dtype=np.float64) for g in holders])
+        held = [(g, mean[key]) for g, mean in enumerate(group_means) if mean is not None and key in mean]
+        holders = [g for g, _ in held]
+        stack = np.stack([np.asarray(value, dtype=np.float64) for _, value in held])
         sub = wg[:, holders]
         totals = sub.sum(axis=1)
         mixed = np.tensordot(sub, stack, axes=1)
@@ -206,4 +211,7 @@ def within_across_relevance(scores: np.ndarray, families: list[str]) -> tuple[fl
     same = labels[:, None] == labels[None, :]
     off = ~np.eye(len(labels), dtype=bool)
     within, across = s[same & off], s[~same]
-    return (float(within.mean()) if within.size else float("nan"), float(across.mean()) if across.size else float("nan"))
+    return (
+        float(within.mean()) if within.size else float("nan"),
+        float(across.mean()) if across.size else float("nan"),
+    )

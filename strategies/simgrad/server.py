@@ -94,7 +94,10 @@ class SimGrad(Strategy):
         reference = self._shapes or next(iter(shapes.values()))
         for nid, shape in shapes.items():
             if shape != reference:  # P/Q must not depend on the model; different shapes mean different pqlora settings
-                raise ValueError(f"simgrad: node {nid}'s PQ-LoRA arrays differ from the others' ({clients[nid].model}); use one pqlora config")
+                raise ValueError(
+                    f"simgrad: node {nid}'s PQ-LoRA arrays differ from the others' ({clients[nid].model}); "
+                    "use one pqlora config"
+                )
         for nid, info in clients.items():
             self.partition_of[nid] = info.partition_id
             self.model_of[nid] = info.model
@@ -131,14 +134,18 @@ class SimGrad(Strategy):
             common = max(set(lengths), key=lengths.count)
             for nid, report in reports.items():
                 if report.signature.size != common:
-                    left_out[nid] = f"signature has {report.signature.size} numbers, the others {common} (another probe?)"
+                    left_out[nid] = (
+                        f"signature has {report.signature.size} numbers, the others {common} (another probe?)"
+                    )
         reports = {nid: r for nid, r in reports.items() if nid not in left_out}
         self._relevance(server_round, reports)
         return left_out
 
     def _relevance(self, server_round: int, reports: dict[int, ClientReport]) -> None:
         # matrix order = partition order, so heatmaps and metrics read the same across runs (node ids are random)
-        self.nodes = sorted((nid for nid in reports if nid in self.partition_of), key=lambda nid: self.partition_of[nid])
+        self.nodes = sorted(
+            (nid for nid in reports if nid in self.partition_of), key=lambda nid: self.partition_of[nid]
+        )
         if not self.nodes:
             self.scores = self.weights = np.zeros((0, 0))
             self.groups, self.active = [], []
@@ -156,7 +163,10 @@ class SimGrad(Strategy):
         self.active = [route_blocks(salience[g].sum(axis=0), budget) for g in self.groups]
         log.info(
             "round %d: relevance over %d clients; groups %s; active blocks %s",
-            server_round, n, [[self.nodes[i] for i in g] for g in self.groups], self.active,
+            server_round,
+            n,
+            [[self.nodes[i] for i in g] for g in self.groups],
+            self.active,
         )
 
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
@@ -175,16 +185,17 @@ class SimGrad(Strategy):
             return
         by_name = {r.name: r for r in results}
         names = [self._group_name(i) for i in range(len(self.groups))]
+        means = [by_name[name].mean if name in by_name else None for name in names]
         if self.secure:
-            means = [by_name[name].mean if name in by_name else None for name in names]
             mixed = mix_group_means(self.weights, self.groups, means)
         else:
-            updates = [by_name[name].mean if name in by_name and by_name[name].mean is not None else {} for name in names]
-            mixed = personalised_mix(self.weights, updates)
+            mixed = personalised_mix(self.weights, [mean if mean is not None else {} for mean in means])
         for i, nid in enumerate(self.nodes):
             previous = self.global_by_partition[self.partition_of[nid]]
             # Blocks nobody trained this round (routing, or every reply rejected) keep their previous global part.
-            self.global_by_partition[self.partition_of[nid]] = {k: mixed[i].get(k, previous[k]).astype(np.float32) for k in self.names}
+            self.global_by_partition[self.partition_of[nid]] = {
+                k: mixed[i].get(k, previous[k]).astype(np.float32) for k in self.names
+            }
 
     def _group_name(self, index: int) -> str:
         if self.secure:
@@ -220,8 +231,10 @@ class SimGrad(Strategy):
 
     def final_adapters(self) -> list[FinalAdapter]:
         """Each client's global P/Q (a client saves its full adapter itself: its local parts never leave it)."""
-        return [FinalAdapter(f"client-{pid}", self.model_of_partition.get(pid, ""), arrays)
-                for pid, arrays in sorted(self.global_by_partition.items())]
+        return [
+            FinalAdapter(f"client-{pid}", self.model_of_partition.get(pid, ""), arrays)
+            for pid, arrays in sorted(self.global_by_partition.items())
+        ]
 
     def load_state_dict(self, state: dict[str, Arrays]) -> None:
         for key, arrays in state.items():

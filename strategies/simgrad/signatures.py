@@ -29,7 +29,9 @@ def count_sketch(vocab_size: int, buckets: int, seed: int) -> tuple[np.ndarray, 
     return bucket, sign
 
 
-def probe_gradient(model, tokenizer, examples: list[Example], buckets: int, seed: int, max_len: int, batch_size: int = 4) -> np.ndarray:
+def probe_gradient(
+    model, tokenizer, examples: list[Example], buckets: int, seed: int, max_len: int, batch_size: int = 4
+) -> np.ndarray:
     """Count sketch S G of the lm_head-weight gradient of the answer-token cross-entropy, flattened (buckets * d,).
 
     For answer positions t (all examples together, T of them) with final hidden state h_t (the input of

@@ -14,14 +14,14 @@ from .model import attach_lora, detach_lora, get_adapter_arrays, save_peft_adapt
 if TYPE_CHECKING:
     from torch import nn
 
-    from common.config import RunConfig
+    from common.config import RunConfig, Section
 
 
 class LoraAdapter:
     """peft LoRA (FedAvg's adapter). Its arrays use peft's state-dict names, so the server saves PEFT directories."""
 
     name: ClassVar[str] = "lora"
-    section: ClassVar[type[LoraSection]] = LoraSection
+    section: ClassVar[type[Section]] = LoraSection
     reply_metrics: ClassVar[dict[str, type | None]] = {}
     state_keys: ClassVar[tuple[str, ...]] = ()
 

@@ -1,4 +1,5 @@
-"""LoRA model surgery through peft: attach, detach, read and write the adapter as named float32 arrays, save a PEFT directory.
+"""LoRA model surgery through peft: attach, detach, read and write the adapter as named float32 arrays, save a
+PEFT directory.
 
 The arrays use peft's own state-dict names (``get_peft_model_state_dict``), so what travels, what the server
 checkpoints and what ``PeftModel.from_pretrained`` loads are the same keys.
@@ -7,6 +8,7 @@ checkpoints and what ``PeftModel.from_pretrained`` loads are the same keys.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -19,7 +21,9 @@ def lora_config(cfg: LoraSection, base_model_name: str = ""):
 
     return LoraConfig(
         r=cfg.r,
-        lora_alpha=cfg.alpha,
+        # cast: peft annotates lora_alpha as int, but only divides by it (scaling = lora_alpha / r); a float alpha is
+        # intended and works.
+        lora_alpha=cast(int, cfg.alpha),
         lora_dropout=cfg.dropout,
         target_modules=list(cfg.target_modules),
         bias="none",
@@ -58,7 +62,10 @@ def set_adapter_arrays(peft_model, arrays: dict[str, np.ndarray]) -> None:
 
     current = get_peft_model_state_dict(peft_model)
     if set(arrays) != set(current):
-        raise KeyError(f"adapter keys differ: missing {sorted(set(current) - set(arrays))[:3]}, extra {sorted(set(arrays) - set(current))[:3]}")
+        raise KeyError(
+            f"adapter keys differ: missing {sorted(set(current) - set(arrays))[:3]}, "
+            f"extra {sorted(set(arrays) - set(current))[:3]}"
+        )
     state = {}
     for key, ref in current.items():
         if tuple(arrays[key].shape) != tuple(ref.shape):
@@ -67,13 +74,17 @@ def set_adapter_arrays(peft_model, arrays: dict[str, np.ndarray]) -> None:
     set_peft_model_state_dict(peft_model, state)
 
 
-def save_peft_adapter(arrays: dict[str, np.ndarray], cfg: LoraSection, base_model_name: str, out_dir: str | Path) -> Path:
+def save_peft_adapter(
+    arrays: dict[str, np.ndarray], cfg: LoraSection, base_model_name: str, out_dir: str | Path
+) -> Path:
     """Write a PEFT adapter directory (``adapter_config.json`` + safetensors) without loading the base model."""
     from safetensors.numpy import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lora_config(cfg, base_model_name).save_pretrained(str(out))
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()}, str(out / "adapter_model.safetensors"))
+    save_file(
+        {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in arrays.items()},
+        str(out / "adapter_model.safetensors"),
+    )
     return out
-

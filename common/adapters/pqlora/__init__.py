@@ -4,8 +4,8 @@ Laid out like peft's ``tuners/lora``: ``config`` (what), ``layer`` (per-layer ma
 ``adapter`` the adapter kind a client trains; ``alignment`` the data-free Procrustes alignment of P/Q (pure numpy).
 """
 
-from .alignment import align_arrays, align_pq, procrustes_rotation, synthetic_anchors
 from .adapter import PQLoraAdapter
+from .alignment import align_arrays, align_pq, procrustes_rotation, synthetic_anchors
 from .config import PQLoraConfig, PQLoraSection
 from .layer import PQLoraGates, PQLoraLinear, derive_seed, seeded_orthonormal
 from .model import (

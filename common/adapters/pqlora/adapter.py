@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from common.config import RunConfig
+    from common.config import RunConfig, Section
 
 LOCAL_STATE, GLOBAL_STATE = "pqlora.local", "pqlora.global"
 
@@ -43,7 +43,7 @@ class PQLoraAdapter:
     """PQ-LoRA with client-local state (see the module docstring)."""
 
     name: ClassVar[str] = "pqlora"
-    section: ClassVar[type[PQLoraSection]] = PQLoraSection
+    section: ClassVar[type[Section]] = PQLoraSection
     reply_metrics: ClassVar[dict[str, type | None]] = {"beta": float, "active_blocks": int}
     state_keys: ClassVar[tuple[str, ...]] = (LOCAL_STATE, GLOBAL_STATE)
 
@@ -57,7 +57,8 @@ class PQLoraAdapter:
         return str(cfg.section(PQLoraSection).adapter_config(cfg.seed).to_dict())
 
     def begin(self, state: ClientState, received: Arrays | None) -> None:
-        """Swap this client's state into the shared model; ``received`` (P_G/Q_G from the server) wins over the kept one."""
+        """Swap this client's state into the shared model; ``received`` (P_G/Q_G from the server) wins over the
+        kept one."""
         local = state.get(LOCAL_STATE)
         if local is not None:
             set_local_state(self.model, local)
@@ -72,8 +73,10 @@ class PQLoraAdapter:
 
     def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
         """The local P/Q of the active blocks, with the gates and the blocks as metrics."""
-        metrics = {"beta": [float(b) for b in get_gates(self.model)],
-                   "active_blocks": list(active or range(self.pq_config.num_blocks))}
+        metrics = {
+            "beta": [float(b) for b in get_gates(self.model)],
+            "active_blocks": list(active or range(self.pq_config.num_blocks)),
+        }
         return get_pq_arrays(self.model, "local", blocks=active), metrics
 
     def received(self, active: list[int] | None) -> Arrays:

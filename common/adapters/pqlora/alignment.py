@@ -43,8 +43,10 @@ def align_pq(P: np.ndarray, Q: np.ndarray, P_ref: np.ndarray, Q_ref: np.ndarray,
     Z = np.asarray(anchors, dtype=np.float64)
     r = P64.shape[0]
     if P64.shape != (r, r) or Pr64.shape != (r, r) or Q64.shape != (r,) or Qr64.shape != (r,):
-        raise ValueError(f"align_pq: expected P, P_ref (r x r) and Q, Q_ref (r,), got {P64.shape}, {Pr64.shape}, "
-                         f"{Q64.shape}, {Qr64.shape}")
+        raise ValueError(
+            f"align_pq: expected P, P_ref (r x r) and Q, Q_ref (r,), got {P64.shape}, {Pr64.shape}, "
+            f"{Q64.shape}, {Qr64.shape}"
+        )
     if Z.ndim != 2 or Z.shape[1] != r:
         raise ValueError(f"align_pq: anchors must be n x {r}, got {Z.shape}")
 
@@ -53,7 +55,7 @@ def align_pq(P: np.ndarray, Q: np.ndarray, P_ref: np.ndarray, Q_ref: np.ndarray,
     F_ref = Z @ Pr64.T + Qr64
     ref_norm = np.linalg.norm(F_ref)
     # Relative threshold: ~0 compared with the anchors' own scale (an untrained, all-zero reference).
-    if ref_norm <= 1e-12 * max(1.0, np.linalg.norm(Z)):
+    if ref_norm <= 1e-12 * max(1.0, float(np.linalg.norm(Z))):
         return unchanged[0], unchanged[1], float("nan"), float("nan")
     R = procrustes_rotation(F, F_ref)
     before = float(np.linalg.norm(F - F_ref) / ref_norm)
@@ -77,8 +79,9 @@ def align_arrays(arrays: dict[str, np.ndarray], reference: dict[str, np.ndarray]
         prefix = name[:-2]
         keys = (f"{prefix}.P", f"{prefix}.Q")
         if all(k in arrays and k in reference for k in keys):
-            P, Q, before, after = align_pq(arrays[keys[0]], arrays[keys[1]], reference[keys[0]],
-                                           reference[keys[1]], anchors)
+            P, Q, before, after = align_pq(
+                arrays[keys[0]], arrays[keys[1]], reference[keys[0]], reference[keys[1]], anchors
+            )
             out[keys[0]], out[keys[1]] = P, Q
             errors[prefix] = (before, after)
     return out, errors

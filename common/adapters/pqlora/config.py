@@ -35,8 +35,14 @@ class PQLoraSection(Section):
 
     def adapter_config(self, seed: int) -> PQLoraConfig:
         """What is attached to a model: these settings with the run's seed (shared A/B across the federation)."""
-        return PQLoraConfig(r=self.r, num_blocks=self.blocks, target_modules=tuple(self.target_modules),
-                            scaling=self.scaling, gate_init=self.gate_init, seed=seed)
+        return PQLoraConfig(
+            r=self.r,
+            num_blocks=self.blocks,
+            target_modules=tuple(self.target_modules),
+            scaling=self.scaling,
+            gate_init=self.gate_init,
+            seed=seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ class PQLoraConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PQLoraConfig":
+    def from_dict(cls, data: dict[str, Any]) -> PQLoraConfig:
         """Inverse of ``to_dict``; unknown keys are an error (a typo must not fall back to a default)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

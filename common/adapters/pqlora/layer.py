@@ -13,6 +13,7 @@ depend on training, which makes them width-independent: clients with different b
 from __future__ import annotations
 
 import zlib
+from typing import cast
 
 import torch
 from torch import nn
@@ -23,8 +24,9 @@ def derive_seed(seed: int, block: int, proj: str, d_in: int, d_out: int) -> int:
     return zlib.crc32(f"pqlora|{seed}|{block}|{proj}|{d_in}|{d_out}".encode())
 
 
-def seeded_orthonormal(seed: int, block: int, proj: str, d_in: int, d_out: int,
-                       r: int) -> tuple[torch.Tensor, torch.Tensor]:
+def seeded_orthonormal(
+    seed: int, block: int, proj: str, d_in: int, d_out: int, r: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen (A, B) pair of one layer: QR of seeded Gaussians, float32, A rows and B columns orthonormal."""
     if r > min(d_in, d_out):
         raise ValueError(f"r: rank {r} exceeds min(d_in={d_in}, d_out={d_out}) of {proj} in block {block}")
@@ -71,15 +73,27 @@ class PQLoraLinear(nn.Module):
     layer's device. ``enabled = False`` returns exactly the base output.
     """
 
-    def __init__(self, base_layer: nn.Module, *, block: int, proj: str, r: int, scaling: float, seed: int,
-                 gates: PQLoraGates) -> None:
+    # Registered with ``register_buffer`` / set with ``object.__setattr__`` in ``__init__``; declared here so their
+    # types are known (``nn.Module.__getattr__`` is typed ``Tensor | Module``).
+    A: torch.Tensor
+    B: torch.Tensor
+    P_G: torch.Tensor
+    Q_G: torch.Tensor
+    _gates: PQLoraGates
+
+    def __init__(
+        self, base_layer: nn.Module, *, block: int, proj: str, r: int, scaling: float, seed: int, gates: PQLoraGates
+    ) -> None:
         super().__init__()
         if not hasattr(base_layer, "in_features") or not hasattr(base_layer, "out_features"):
-            raise ValueError(f"target_modules: {proj} in block {block} has no in_features/out_features "
-                             f"({type(base_layer).__name__})")
+            raise ValueError(
+                f"target_modules: {proj} in block {block} has no in_features/out_features ({type(base_layer).__name__})"
+            )
         self.base_layer = base_layer
-        self.in_features = int(base_layer.in_features)
-        self.out_features = int(base_layer.out_features)
+        # cast: nn.Module attribute access is typed ``Tensor | Module``; checked above, linear-like layers (nn.Linear,
+        # bnb Linear4bit) keep in_features/out_features as plain ints.
+        self.in_features = int(cast(int, base_layer.in_features))
+        self.out_features = int(cast(int, base_layer.out_features))
         self.block, self.proj, self.r, self.scaling = block, proj, r, float(scaling)
         self.enabled = True
         first = next(base_layer.parameters(), None)
@@ -88,12 +102,12 @@ class PQLoraLinear(nn.Module):
         a, b = seeded_orthonormal(seed, block, proj, self.in_features, self.out_features, r)
         self.register_buffer("A", a.to(device))
         self.register_buffer("B", b.to(device))
-        zeros = dict(dtype=torch.float32, device=device)
+        f32 = torch.float32
         # Zero P/Q: the adapter starts as the identity function of the base model.
-        self.P_L = nn.Parameter(torch.zeros(r, r, **zeros))
-        self.Q_L = nn.Parameter(torch.zeros(r, **zeros))
-        self.register_buffer("P_G", torch.zeros(r, r, **zeros))
-        self.register_buffer("Q_G", torch.zeros(r, **zeros))
+        self.P_L = nn.Parameter(torch.zeros(r, r, dtype=f32, device=device))
+        self.Q_L = nn.Parameter(torch.zeros(r, dtype=f32, device=device))
+        self.register_buffer("P_G", torch.zeros(r, r, dtype=f32, device=device))
+        self.register_buffer("Q_G", torch.zeros(r, dtype=f32, device=device))
         # Bypass nn.Module.__setattr__: the shared gate must not be registered (and thus saved) once per layer.
         object.__setattr__(self, "_gates", gates)
 
@@ -133,5 +147,7 @@ class PQLoraLinear(nn.Module):
         return out + (self.scaling * delta).to(out.dtype)
 
     def extra_repr(self) -> str:
-        return (f"{self.name}: in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
-                f"scaling={self.scaling}, enabled={self.enabled}")
+        return (
+            f"{self.name}: in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
+            f"scaling={self.scaling}, enabled={self.enabled}"
+        )

@@ -40,8 +40,10 @@ def find_decoder_blocks(model: nn.Module) -> nn.ModuleList:
             if best is None or len(module) > len(best):
                 best = module
     if best is None or len(best) == 0:
-        raise ValueError(f"no transformer blocks found in {type(model).__name__}: expected a non-empty "
-                         "nn.ModuleList named 'layers' or 'h' (e.g. model.model.layers)")
+        raise ValueError(
+            f"no transformer blocks found in {type(model).__name__}: expected a non-empty "
+            "nn.ModuleList named 'layers' or 'h' (e.g. model.model.layers)"
+        )
     return best
 
 
@@ -63,11 +65,13 @@ def attach_pqlora(model: nn.Module, cfg: PQLoraConfig) -> nn.Module:
                 what = "missing" if not hits else f"ambiguous ({hits})"
                 raise ValueError(f"target_modules: {proj} is {what} in block {first + i} of the model")
             base = block.get_submodule(hits[0])
-            dims = (getattr(base, "in_features", None), getattr(base, "out_features", None))
-            if None in dims:
+            d_in, d_out = getattr(base, "in_features", None), getattr(base, "out_features", None)
+            if d_in is None or d_out is None:
                 raise ValueError(f"target_modules: {proj} in block {first + i} has no in_features/out_features")
-            if cfg.r > min(dims):
-                raise ValueError(f"r: {cfg.r} exceeds min(d_in, d_out) = {min(dims)} of {proj} in block {first + i}")
+            if cfg.r > min(d_in, d_out):
+                raise ValueError(
+                    f"r: {cfg.r} exceeds min(d_in, d_out) = {min(d_in, d_out)} of {proj} in block {first + i}"
+                )
             targets.append((i, proj, block, hits[0]))
     for param in model.parameters():
         param.requires_grad_(False)
@@ -86,7 +90,7 @@ def attach_pqlora(model: nn.Module, cfg: PQLoraConfig) -> nn.Module:
 
 def detach_pqlora(model: nn.Module) -> nn.Module:
     """Undo ``attach_pqlora``: every PQLoraLinear back to its base layer, the gates removed."""
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, PQLoraLinear):
                 setattr(module, child_name, child.base_layer)
@@ -95,8 +99,7 @@ def detach_pqlora(model: nn.Module) -> nn.Module:
     return model
 
 
-def get_pq_arrays(model: nn.Module, part: str = "local",
-                  blocks: Iterable[int] | None = None) -> dict[str, np.ndarray]:
+def get_pq_arrays(model: nn.Module, part: str = "local", blocks: Iterable[int] | None = None) -> dict[str, np.ndarray]:
     """float32 copies of P_L/Q_L (``part="local"``) or P_G/Q_G (``"global"``), names sorted, optionally some blocks."""
     p_attr, q_attr = _part(part)
     keep = None if blocks is None else set(blocks)
@@ -165,7 +168,7 @@ def block_grad_norms(model: nn.Module) -> list[float]:
         for p in (layer.P_L, layer.Q_L):
             if p.grad is not None:
                 sums[layer.block] += float(p.grad.detach().double().pow(2).sum())
-    return [s ** 0.5 for s in sums]
+    return [s**0.5 for s in sums]
 
 
 @contextmanager
@@ -195,11 +198,18 @@ def save_pq_adapter(model: nn.Module, cfg: PQLoraConfig, out_dir: str | Path, ba
     _check_config(model, cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pqlora", "version": 1, "config": cfg.to_dict(), "base_model_name": base_model_name,
-            "layers": _shapes(model)}
+    meta = {
+        "format": "pqlora",
+        "version": 1,
+        "config": cfg.to_dict(),
+        "base_model_name": base_model_name,
+        "layers": _shapes(model),
+    }
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in _slots(model, _ALL).items()},
-              str(out / WEIGHTS_FILE))
+    save_file(
+        {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in _slots(model, _ALL).items()},
+        str(out / WEIGHTS_FILE),
+    )
     return out
 
 
@@ -215,13 +225,16 @@ def load_pq_adapter(model: nn.Module, in_dir: str | Path) -> nn.Module:
     tensors = load_file(str(src / WEIGHTS_FILE))
     slots = _slots(model, _ALL)
     if set(tensors) != set(slots):
-        raise KeyError(f"{WEIGHTS_FILE}: keys differ (missing {sorted(set(slots) - set(tensors))[:3]}, "
-                       f"extra {sorted(set(tensors) - set(slots))[:3]})")
+        raise KeyError(
+            f"{WEIGHTS_FILE}: keys differ (missing {sorted(set(slots) - set(tensors))[:3]}, "
+            f"extra {sorted(set(tensors) - set(slots))[:3]})"
+        )
     _copy_checked(slots, {k: v.numpy() for k, v in tensors.items()})
     return model
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
+
 
 def _layers(model: nn.Module, required: bool = True) -> list[PQLoraLinear]:
     layers = [m for m in model.modules() if isinstance(m, PQLoraLinear)]
