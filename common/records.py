@@ -192,15 +192,20 @@ def initial_reply(arrays: dict[str, np.ndarray], identity: dict[str, Any]) -> Re
     return RecordDict({ARRAYS: to_array_record(arrays), METRICS: ConfigRecord(identity)})
 
 
+def _arrays_and_metrics(content: RecordDict, key: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Named arrays under ``key`` and the reply's metrics (empty when it has none)."""
+    if key not in content:
+        raise ReplyError(f"reply lacks '{key}'")
+    metrics = dict(content.config_records[METRICS]) if METRICS in content else {}
+    return from_array_record(content.array_records[key]), metrics
+
+
 def read_initial_reply(content: RecordDict) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The client's initial adapter (finite values only) and identity (partition id, model, ...)."""
-    if ARRAYS not in content:
-        raise ReplyError(f"reply lacks '{ARRAYS}'")
-    arrays = from_array_record(content.array_records[ARRAYS])
+    arrays, identity = _arrays_and_metrics(content, ARRAYS)
     for key, value in arrays.items():
         if not np.all(np.isfinite(value)):
             raise ReplyError(f"{key}: contains NaN or Inf")
-    identity = dict(content.config_records[METRICS]) if METRICS in content else {}
     return arrays, identity
 
 
@@ -211,11 +216,7 @@ def report_reply(arrays: dict[str, np.ndarray], metrics: dict[str, Any]) -> Reco
 
 def read_report_reply(content: RecordDict) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """A report's arrays and metrics; the strategy validates what they mean (``Strategy.read_report``)."""
-    if REPORT not in content:
-        raise ReplyError(f"reply lacks the '{REPORT}' arrays")
-    arrays = from_array_record(content.array_records[REPORT])
-    metrics = dict(content.config_records[METRICS]) if METRICS in content else {}
-    return arrays, metrics
+    return _arrays_and_metrics(content, REPORT)
 
 
 def save_arrays(arrays: dict[str, np.ndarray], out_dir: str | Path) -> Path:
