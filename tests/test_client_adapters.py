@@ -83,3 +83,29 @@ def test_client_state_refuses_undeclared_keys():
         state.put("myadapter.extra", {"x": np.ones(2, np.float32)})
     with pytest.raises(UndeclaredStateError):
         state.get("simgrad.ema")
+
+
+def test_adapters_detach_back_to_the_untouched_base(tiny_llama_dir):
+    """Swapping adapters on one shared base (another kind or rank) leaves the base exactly as loaded."""
+    import torch
+
+    from common.adapters.lora import LoraAdapter
+    from common.adapters.pqlora import PQLoraLinear
+
+    base = load_base_model(str(tiny_llama_dir), "fp32", "cpu")
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = base(tokens).logits
+    for flat in ({"lora.r": 2}, {"strategy": "simgrad", "pqlora.r": 2, "pqlora.blocks": 2, "simgrad.route-budget": 1}):
+        cfg = RunConfig.from_flat(flat)
+        kind = PQLoraAdapter if cfg.adapter == "pqlora" else LoraAdapter
+        attached = kind(base, cfg)
+        with torch.no_grad():  # a non-zero adapter changes the output while attached
+            for p in attached.model.parameters():
+                if p.requires_grad:
+                    p.fill_(0.05)
+            assert not torch.allclose(attached.model(tokens).logits, before)
+        base = attached.detach()
+        assert not any(isinstance(m, PQLoraLinear) for m in base.modules()) and not hasattr(base, "peft_config")
+        with torch.no_grad():
+            torch.testing.assert_close(base(tokens).logits, before)
