@@ -103,6 +103,7 @@ def test_the_toy_config_section_is_validated(toymean):
         RunConfig.from_flat({"strategy": "toymean", "toymean.step": 2})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("secure", [False, True])
 def test_a_registered_toy_strategy_runs_end_to_end(toymean, tiny_llama_dir, tmp_path, secure):
     run_dir = tmp_path / "run"
@@ -126,6 +127,7 @@ def test_a_registered_toy_strategy_runs_end_to_end(toymean, tiny_llama_dir, tmp_
     assert (run_dir / "adapter" / "adapter_config.json").exists()  # saved the way its adapter kind (LoRA) saves
 
 
+@pytest.mark.e2e
 def test_secure_groups_of_a_round_run_concurrently_and_each_sums_its_own_members(toymean, tiny_llama_dir, tmp_path):
     """Two SecAgg+ groups in one round (6 clients, partition id mod 2), run at the same time: each group's mean is
     its own members' weighted mean, and the global adapter is the average of the two."""
