@@ -152,7 +152,7 @@ def _collect_reports(
 ) -> dict[int | None, dict[str, Any]]:
     """Reports for strategies that ask; malformed ones (and those the strategy leaves out) are logged with a reason."""
     reports, rejected, sizes = collect_reports(grid, server_round, node_ids, strategy.read_report, cfg.round_timeout)
-    left_out = strategy.observe_reports(server_round, {n: r for n, r in reports.items()})
+    left_out = strategy.observe_reports(server_round, reports)
     for nid, why in left_out.items():
         log.warning("round %d: node %d's report left out: %s", server_round, nid, why)
     rows: dict[int | None, dict[str, Any]] = {nid: {"report_bytes": size} for nid, size in sizes.items()}

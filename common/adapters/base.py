@@ -7,7 +7,7 @@ one client lives in that client's ``ClientState`` and is swapped into the shared
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -55,9 +55,6 @@ class ClientState:
 
         self._check(key)
         self._records[key] = to_array_record(dict(arrays))
-
-    def __iter__(self) -> Iterator[str]:
-        return (key for key in self.declared if key in self._records)
 
 
 class AdapterKind(Protocol):

@@ -11,7 +11,7 @@ How the sums travel (``secure``):
   goes through SecAgg+, and client i gets sum_g (sum_{j in g} W_ij) mean_g. The server learns the signatures, S,
   W and one mean per group, never an individual P/Q. The two agree exactly when W is constant inside groups.
 Layerwise routing: each group trains and sends only its ``route-budget`` most salient blocks; the other blocks'
-global parts are kept. The math lives in ``strategies/relevance.py``.
+global parts are kept. The math lives in ``relevance.py`` beside this file.
 """
 
 from __future__ import annotations
