@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/machine_info.sh versions
 bash scripts/lint.sh
-python3 -m pytest -q -p no:cacheprovider "$@" tests
+python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 "$@" tests

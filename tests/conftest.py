@@ -11,6 +11,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_processes_outlive_their_module():
+    """Processes a test module started (Ray, model workers, SuperNodes) end with it: one that survives a failure
+    would hold memory and cores and fail the modules after it for a reason that is not theirs."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(left, timeout=10)  # the normal case: they are on their way out
+    for proc in alive:
+        try:
+            print(f"\n[conftest] killing {proc.pid} left running by the module: {' '.join(proc.cmdline())[:200]}")
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+
+
 @pytest.fixture
 def task_identity():
     """Flower's Message needs the run/node/task identity a real ServerApp or ClientApp process has."""
