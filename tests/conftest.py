@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,34 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure's report says what the machine looked like: free memory and the biggest processes (a run that fails
+    only on another machine is then diagnosable from its log)."""
+    report = yield
+    if report.failed:
+        report.sections.append(("machine at failure", _machine_snapshot()))
+    return report
+
+
+def _machine_snapshot() -> str:
+    import psutil
+
+    mem = psutil.virtual_memory()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = [f"memory: {mem.available / 2**30:.1f} GiB available of {mem.total / 2**30:.1f} GiB; load {load}"]
+    procs = sorted(psutil.process_iter(["pid", "memory_info", "cmdline"]), key=_rss, reverse=True)
+    for proc in procs[:10]:
+        cmd = " ".join(proc.info["cmdline"] or [])[:150]
+        lines.append(f"{proc.info['pid']:>7} {_rss(proc) / 2**20:8.0f} MiB  {cmd}")
+    return "\n".join(lines)
+
+
+def _rss(proc) -> int:
+    info = proc.info.get("memory_info")
+    return info.rss if info else 0
 
 
 @pytest.fixture(scope="module", autouse=True)
