@@ -1,9 +1,11 @@
-"""Flower's real SecAgg+ (in-process simulation) carries a group mean equal to the plain one within the
-quantisation bound. The clients here return synthetic adapters (no LLM) so the test takes seconds."""
+"""Flower's real SecAgg+ (Flower's simulation, in a child process) carries a group mean equal to the plain one
+within the quantisation bound. The clients here return synthetic adapters (no LLM) so the test takes seconds."""
 
 import json
+from pathlib import Path
 
 import numpy as np
+from child import run_in_child
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -38,8 +40,15 @@ def client_update(partition_id: int, start=START, send_back=None) -> tuple[dict,
     )
 
 
-def run_secure_round(tmp_path, num_nodes: int, start=START, send_back=None):
-    out_file = tmp_path / "result.json"
+def run_secure_round(tmp_path, num_nodes: int, routed: bool = False) -> dict:
+    """One SecAgg+ round among ``num_nodes`` clients, in a child process (``tests/child.py``); what it returned."""
+    run_in_child("test_secagg", "secure_round_in_process", str(tmp_path), num_nodes, routed)
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool) -> None:
+    start, send_back = (PQ_START, PQ_SEND_BACK) if routed else (START, None)
+    out_file = Path(tmp_path) / "result.json"
     client = ClientApp(mods=[secure_aggregation_mod])
 
     @client.train()
@@ -75,7 +84,6 @@ def run_secure_round(tmp_path, num_nodes: int, start=START, send_back=None):
         num_supernodes=num_nodes,
         backend_config={"client_resources": {"num_cpus": 1}},
     )
-    return json.loads(out_file.read_text())
 
 
 def test_secure_mean_equals_plain_weighted_mean(tmp_path):
@@ -97,10 +105,9 @@ def test_secure_routed_pq_group_mean_equals_the_plain_group_mean():
     """SimGrad's secure mode: a group of 3 sends only its routed block through SecAgg+; the unmasked mean equals
     the plain-mode group mean within the quantisation bound, and the strategy mixes it like plain means."""
     import tempfile
-    from pathlib import Path
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_secure_round(Path(tmp), num_nodes=3, start=PQ_START, send_back=PQ_SEND_BACK)
+        out = run_secure_round(Path(tmp), num_nodes=3, routed=True)
     assert out["partitions"] == [0, 1, 2] and sorted(out["mean"]) == PQ_SEND_BACK
     updates, examples = zip(*(client_update(p, PQ_START, PQ_SEND_BACK) for p in range(3)))
     weights = secagg_weights(examples, MAX_WEIGHT)

@@ -6,13 +6,11 @@ between messages, its reply metrics reach metrics.jsonl."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from child import run_in_child
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -35,30 +33,8 @@ def toymean(monkeypatch):
     REGISTRY.pop(toy_strategy.SPEC.name, None)  # other tests see only the built-in strategies
 
 
-def run(run_config: dict, nodes: int = 3, timeout: float = 600) -> None:
-    """The federation in a child process: Ray, its workers and the ServerApp's threads end with it, whatever happens,
-    so a failure here cannot leak into the tests after it; its log is in the failure message."""
-    code = f"import json, sys; import test_toy_strategy as t; t.run_in_process(json.loads(sys.argv[1]), {nodes})"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code, json.dumps(run_config)],
-            cwd=TESTS,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the federation did not finish in {timeout:.0f}s; its log:\n{_tail(err.stdout, err.stderr)}")
-    assert proc.returncode == 0, (
-        f"the federation failed ({proc.returncode}); its log:\n{_tail(proc.stdout, proc.stderr)}"
-    )
-
-
-def _tail(stdout, stderr, chars: int = 6000) -> str:
-    text = "\n".join(s.decode() if isinstance(s, bytes) else (s or "") for s in (stdout, stderr))
-    return text[-chars:]
+def run(run_config: dict, nodes: int = 3) -> None:
+    run_in_child("test_toy_strategy", "run_in_process", run_config, nodes)
 
 
 def run_in_process(run_config: dict, nodes: int) -> None:

@@ -1,0 +1,35 @@
+"""Run a test module's function in a child Python process: for in-process Flower simulations, whose Ray cluster,
+actors and ServerApp threads (and the environment Flower's Ray backend rewrites) must end with the federation,
+whatever happens, so that a failure cannot leak into the tests after it. The child's log is in the failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+
+def run_in_child(module: str, function: str, *args: Any, timeout: float = 600) -> None:
+    """``module.function(*args)`` (JSON-able arguments) in a fresh interpreter; fail the test if it fails."""
+    __tracebackhide__ = True
+    code = f"import json, sys, {module}; {module}.{function}(*json.loads(sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
+    cmd = [sys.executable, "-c", code, json.dumps(list(args))]
+    try:
+        proc = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{module}.{function} did not finish in {timeout:.0f}s; its log:\n{_tail(err.stdout, err.stderr)}")
+    if proc.returncode != 0:
+        pytest.fail(f"{module}.{function} failed (exit {proc.returncode}); its log:\n{_tail(proc.stdout, proc.stderr)}")
+
+
+def _tail(stdout: Any, stderr: Any, chars: int = 6000) -> str:
+    text = "\n".join(s.decode() if isinstance(s, bytes) else (s or "") for s in (stdout, stderr))
+    return text[-chars:]
