@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -52,10 +53,11 @@ def no_processes_outlive_their_module():
     _, alive = psutil.wait_procs(left, timeout=10)  # the normal case: they are on their way out
     for proc in alive:
         try:
-            print(f"\n[conftest] killing {proc.pid} left running by the module: {' '.join(proc.cmdline())[:200]}")
+            command = " ".join(proc.cmdline())[:200]
             proc.kill()
         except psutil.NoSuchProcess:
-            pass
+            continue
+        warnings.warn(f"killed process {proc.pid}, left running by the module: {command}", stacklevel=1)
     psutil.wait_procs(alive, timeout=10)
 
 

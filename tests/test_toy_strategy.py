@@ -20,12 +20,9 @@ from common.config import ConfigError, RunConfig, SecAggSection
 from strategies import REGISTRY
 from strategies.aggregation import secagg_error_bound, secagg_weights, weighted_mean
 
-TESTS = Path(__file__).resolve().parent
-
 
 @pytest.fixture
-def toymean(monkeypatch):
-    monkeypatch.syspath_prepend(str(TESTS))
+def toymean():
     import toy_strategy
 
     REGISTRY[toy_strategy.SPEC.name] = toy_strategy.SPEC
@@ -38,9 +35,8 @@ def run(run_config: dict, nodes: int = 3) -> None:
 
 
 def run_in_process(run_config: dict, nodes: int) -> None:
-    import toy_strategy
+    import toy_strategy  # noqa: F401  (registers the toy in this process, where the ServerApp runs)
 
-    REGISTRY[toy_strategy.SPEC.name] = toy_strategy.SPEC  # the ServerApp runs in this process
     client = _client_app(run_config)
     server = ServerApp()
 
