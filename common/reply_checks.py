@@ -1,0 +1,134 @@
+"""What the server accepts from a client's reply, checked before any of it is used.
+
+A reply is the only thing a client controls on the server, so every value in it is checked where the reply is
+accepted, and a bad one costs only that client's contribution to the round (``ReplyError`` with the reason):
+
+- metrics: every value a bool, a whole number, a finite float, a short string, or a list of those (no bytes, no
+  NaN/Inf, nothing huge); the keys the server reads (``TRAIN_METRICS``, ``EVAL_METRICS``) present, numeric and in
+  range;
+- the member's weight (``num_examples``): a finite whole number of at least 1; above what the instruction allowed
+  (local steps x batch x accumulation, or the group's own maximum) it is capped, and the cap is reported;
+- arrays: float32 and finite AFTER the cast (float64 values beyond float32's range become Inf), and an update whose
+  L2 distance from what the client was sent exceeds ``robust.max-update-norm`` is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from common.records import ReplyError
+
+MAX_TEXT = 4096  # characters in a string metric
+MAX_LIST = 100_000  # elements in a list metric
+
+
+class Bound(NamedTuple):
+    """A metric the server reads: its kind (``float`` or ``int``) and its range (None: open)."""
+
+    kind: type
+    low: float | None = 0.0
+    high: float | None = None
+
+
+IDENTITY_METRICS = {"partition-id": Bound(int)}
+TRAIN_METRICS = {
+    "train_loss": Bound(float),
+    "train_tokens": Bound(int),
+    "train_seconds": Bound(float),
+    "tokens_per_second": Bound(float),
+    **IDENTITY_METRICS,
+}
+EVAL_METRICS = {
+    "eval_loss": Bound(float),
+    "exact_match": Bound(float, 0.0, 1.0),
+    "rouge_l": Bound(float, 0.0, 1.0),
+    **IDENTITY_METRICS,
+}
+
+
+def check_metrics(metrics: Mapping[str, Any], required: Mapping[str, Bound]) -> dict[str, Any]:
+    """``metrics`` as a plain dict if every value is acceptable and every required key is present and in range."""
+    for key, value in metrics.items():
+        _check_value(key, value)
+    for key, bound in required.items():
+        if key not in metrics:
+            raise ReplyError(f"metric '{key}' is missing")
+        _check_bound(key, metrics[key], bound)
+    return dict(metrics)
+
+
+def _check_value(key: str, value: Any) -> None:
+    if isinstance(value, (list, tuple)):
+        if len(value) > MAX_LIST:
+            raise ReplyError(f"metric '{key}': a list of {len(value)} elements (at most {MAX_LIST})")
+        for element in value:
+            if isinstance(element, (list, tuple)):
+                raise ReplyError(f"metric '{key}': nested lists are not metrics")
+            _check_value(key, element)
+    elif isinstance(value, str):
+        if len(value) > MAX_TEXT:
+            raise ReplyError(f"metric '{key}': a string of {len(value)} characters (at most {MAX_TEXT})")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ReplyError(f"metric '{key}': {value} is not finite")
+    elif not isinstance(value, (bool, int)):  # bytes, None, objects
+        raise ReplyError(f"metric '{key}': a {type(value).__name__} is not a metric value")
+
+
+def _check_bound(key: str, value: Any, bound: Bound) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReplyError(f"metric '{key}' must be a number, got {type(value).__name__} {str(value)[:40]!r}")
+    if bound.kind is int and not float(value).is_integer():
+        raise ReplyError(f"metric '{key}' must be a whole number, got {value}")
+    if (bound.low is not None and value < bound.low) or (bound.high is not None and value > bound.high):
+        raise ReplyError(f"metric '{key}' = {value} is outside [{bound.low}, {bound.high}]")
+
+
+def check_weight(value: Any, cap: float) -> tuple[int, bool]:
+    """A member's ``num_examples``: (the weight to use, whether it was capped at ``cap``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReplyError(f"num_examples must be a number, got {type(value).__name__} {str(value)[:40]!r}")
+    if not math.isfinite(value) or not float(value).is_integer():
+        raise ReplyError(f"num_examples must be a finite whole number, got {value}")
+    if value < 1:
+        raise ReplyError(f"num_examples must be at least 1, got {int(value)}")
+    if value > cap:
+        return int(cap), True
+    return int(value), False
+
+
+def check_update(
+    arrays: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray], max_norm: float
+) -> dict[str, np.ndarray]:
+    """The arrays as float32, refused if a value is not finite after the cast or if their L2 distance from
+    ``start`` (what the member was sent, same names) exceeds ``max_norm``."""
+    with np.errstate(over="ignore"):  # values beyond float32 become Inf, refused just below
+        cast = {k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()}
+    for key, value in cast.items():
+        if not np.all(np.isfinite(value)):
+            raise ReplyError(f"{key}: NaN or Inf (as float32)")
+    norm = update_norm(cast, start)
+    if norm > max_norm:
+        raise ReplyError(f"update norm {norm:.3g} exceeds robust.max-update-norm={max_norm:g}")
+    return cast
+
+
+def update_norm(arrays: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm of ``arrays - start`` over every array (float64 sums: no overflow for float32 inputs)."""
+    total = sum(float(np.sum((arrays[k].astype(np.float64) - start[k]) ** 2)) for k in arrays)
+    return math.sqrt(total)
+
+
+def clip_update(
+    arrays: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray], clip_norm: float
+) -> tuple[dict[str, np.ndarray], bool]:
+    """``start + (arrays - start)`` scaled so that its norm is at most ``clip_norm``; whether it was scaled."""
+    norm = update_norm(arrays, start)
+    if norm <= clip_norm:
+        return dict(arrays), False
+    scale = clip_norm / norm
+    return {k: (start[k] + (arrays[k] - start[k]) * scale).astype(np.float32) for k in arrays}, True

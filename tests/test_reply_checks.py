@@ -1,0 +1,107 @@
+"""The server's checks on what a client sends: every bad value of a reply is refused with a reason naming it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from common.records import ReplyError
+from common.reply_checks import (
+    EVAL_METRICS,
+    TRAIN_METRICS,
+    check_metrics,
+    check_update,
+    check_weight,
+    clip_update,
+    update_norm,
+)
+
+GOOD_TRAIN = {
+    "train_loss": 1.5,
+    "train_tokens": 120,
+    "train_seconds": 2.0,
+    "tokens_per_second": 60.0,
+    "partition-id": 1,
+}
+GOOD_EVAL = {"eval_loss": 2.0, "exact_match": 0.5, "rouge_l": 0.25, "partition-id": 0, "model": "smollm2"}
+
+
+def test_good_metrics_pass_unchanged():
+    assert check_metrics({**GOOD_TRAIN, "beta": [0.5, 0.25]}, TRAIN_METRICS) == {**GOOD_TRAIN, "beta": [0.5, 0.25]}
+    assert check_metrics(GOOD_EVAL, EVAL_METRICS) == GOOD_EVAL
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("train_loss", math.nan, "train_loss"),
+        ("train_loss", math.inf, "not finite"),
+        ("train_loss", "low", "must be a number"),
+        ("train_loss", b"\x00", "bytes"),
+        ("train_loss", -1.0, "outside"),
+        ("train_tokens", 1.5, "whole number"),
+        ("partition-id", True, "must be a number"),
+        ("beta", [0.5, math.nan], "beta"),
+        ("beta", [[0.5]], "nested"),
+        ("note", "x" * 5000, "5000 characters"),
+        ("blob", b"abc", "bytes is not a metric"),
+    ],
+)
+def test_a_bad_train_metric_is_refused_naming_it(key, value, says):
+    with pytest.raises(ReplyError, match=says):
+        check_metrics({**GOOD_TRAIN, key: value}, TRAIN_METRICS)
+
+
+@pytest.mark.parametrize("missing", sorted(TRAIN_METRICS))
+def test_a_missing_train_metric_is_refused(missing):
+    metrics = {k: v for k, v in GOOD_TRAIN.items() if k != missing}
+    with pytest.raises(ReplyError, match=f"'{missing}' is missing"):
+        check_metrics(metrics, TRAIN_METRICS)
+
+
+def test_eval_scores_are_fractions():
+    with pytest.raises(ReplyError, match="exact_match"):
+        check_metrics({**GOOD_EVAL, "exact_match": 1.5}, EVAL_METRICS)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [(math.inf, "finite"), (math.nan, "finite"), (0, "at least 1"), (-3, "at least 1"), (2.5, "whole"), ("9", "num")],
+)
+def test_a_bad_weight_is_refused(value, says):
+    with pytest.raises(ReplyError, match=says):
+        check_weight(value, cap=8)
+
+
+def test_a_weight_above_what_the_instruction_allowed_is_capped():
+    assert check_weight(8, cap=8) == (8, False)
+    assert check_weight(1e12, cap=8) == (8, True)
+    assert check_weight(3.0, cap=8) == (3, False)
+
+
+def test_values_beyond_float32_are_refused_after_the_cast():
+    start = {"w": np.zeros(3, np.float32)}
+    assert np.all(np.isfinite(np.array([1e39, 0.0, 0.0])))  # fine as float64: the old check passed it
+    with pytest.raises(ReplyError, match="NaN or Inf"):
+        check_update({"w": np.array([1e39, 0.0, 0.0])}, start, max_norm=1e30)
+
+
+def test_an_update_too_far_from_the_start_is_refused():
+    start = {"a": np.ones(4, np.float32), "b": np.zeros(2, np.float32)}
+    near = {"a": start["a"] + 1.0, "b": np.array([0.0, 0.0], np.float32)}  # norm 2
+    assert update_norm(near, start) == pytest.approx(2.0)
+    assert check_update(near, start, max_norm=2.5)["a"].dtype == np.float32
+    with pytest.raises(ReplyError, match="update norm 2 exceeds"):
+        check_update(near, start, max_norm=1.5)
+
+
+def test_clipping_scales_the_update_to_the_norm_and_keeps_its_direction():
+    start = {"a": np.ones(2, np.float32)}
+    far = {"a": np.array([4.0, 5.0], np.float32)}  # update (3, 4): norm 5
+    clipped, was = clip_update(far, start, clip_norm=1.0)
+    assert was and update_norm(clipped, start) == pytest.approx(1.0, rel=1e-6)
+    np.testing.assert_allclose(clipped["a"] - start["a"], [0.6, 0.8], rtol=1e-6)
+    same, was = clip_update(far, start, clip_norm=10.0)
+    assert not was and np.array_equal(same["a"], far["a"])
