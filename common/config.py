@@ -120,6 +120,17 @@ class SecAggSection(Section):
     timeout: float = Field(1800.0, gt=0)
 
 
+class RobustSection(Section):
+    """How much the server trusts one update (checked on every plain-mode train reply, ``common.reply_checks``).
+
+    max_update_norm: an update further (L2) than this from what the member was sent is refused for the round.
+    clip_norm: if set, updates further than this are scaled back to it; each clip is logged and counted.
+    """
+
+    max_update_norm: float = Field(1e3, gt=0, allow_inf_nan=False)
+    clip_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+
 class RunConfig(Section):
     """The whole run. Top-level keys are the user-facing contract (``strategy``, ``secure``, ...).
 
@@ -141,6 +152,7 @@ class RunConfig(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     secagg: SecAggSection = Field(default_factory=SecAggSection)
+    robust: RobustSection = Field(default_factory=RobustSection)
     _sections: dict[str, Section] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")

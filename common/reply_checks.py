@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -46,8 +47,25 @@ EVAL_METRICS = {
     "eval_loss": Bound(float),
     "exact_match": Bound(float, 0.0, 1.0),
     "rouge_l": Bound(float, 0.0, 1.0),
+    "eval_examples": Bound(int),
     **IDENTITY_METRICS,
 }
+
+
+@dataclass(frozen=True)
+class ReplyLimits:
+    """What a round's train replies are held to (from the run config; see ``server_app.app``).
+
+    examples_per_round: local steps x batch x accumulation, the most examples a member can weigh by.
+    max_update_norm: an update further than this (L2) from what the member was sent is refused.
+    clip_norm: if set, updates further than this are scaled back to it (``robust.clip-norm``).
+    train_metrics: the metrics every train reply must carry (the core ones and the strategy's own).
+    """
+
+    examples_per_round: int
+    max_update_norm: float = 1e3
+    clip_norm: float | None = None
+    train_metrics: Mapping[str, Bound] = field(default_factory=lambda: dict(TRAIN_METRICS))
 
 
 def check_metrics(metrics: Mapping[str, Any], required: Mapping[str, Bound]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from common.adapters import adapter_kind
 from common.config import ConfigError, RunConfig
 from common.logs import get_logger
 from common.records import metric_list, num_bytes
+from common.reply_checks import ReplyLimits
 from strategies import Strategy, strategy_spec
 from strategies.base import GroupResult
 
@@ -175,10 +176,9 @@ def _train_round(
             " via SecAgg+" if cfg.secure else "",
         )
     if cfg.secure:  # one SecAgg+ protocol run per group, the groups at the same time (see train_groups_secure)
-        examples_per_round = cfg.train.local_steps * cfg.train.batch_size * cfg.train.grad_accum_steps
-        results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, examples_per_round)
+        results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, examples_per_round(cfg))
     else:
-        results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout)
+        results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, reply_limits(cfg))
     for group, result in zip(groups, results):
         for nid in result.metrics:
             sent, received = num_bytes(group.reply_reference(nid)), num_bytes(group.start[nid])
@@ -187,6 +187,21 @@ def _train_round(
             # layerwise routing: adapter bytes a member did NOT send because its blocks were inactive
             result.metrics[nid]["routing_bytes_saved"] = received - sent
     return results
+
+
+def reply_limits(cfg: RunConfig) -> ReplyLimits:
+    """What this run's train replies are held to: the instruction's example budget and ``robust.*``."""
+    return ReplyLimits(
+        examples_per_round=examples_per_round(cfg),
+        max_update_norm=cfg.robust.max_update_norm,
+        clip_norm=cfg.robust.clip_norm,
+    )
+
+
+def examples_per_round(cfg: RunConfig) -> int:
+    """The most examples one member trains on in a round: what its weight (``num_examples``) is capped at."""
+    train = cfg.train_settings()
+    return train.local_steps * train.batch_size * train.grad_accum_steps
 
 
 def _train_rows(
@@ -213,6 +228,9 @@ def _train_rows(
                     if k in metrics
                 },
             }
+            if metrics.get("robust"):  # capped weight, clipped update (common.reply_checks)
+                rows[nid]["robust"] = metrics["robust"]
+                rows[None]["robust_adjusted"] = rows[None].get("robust_adjusted", 0) + 1
         rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
     return rows
 

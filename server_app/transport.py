@@ -37,6 +37,7 @@ from common.records import (
     train_instruction,
     unpack,
 )
+from common.reply_checks import EVAL_METRICS, ReplyLimits, check_metrics, check_update, check_weight, clip_update
 from strategies.aggregation import weighted_mean
 from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, Group, GroupResult
 
@@ -74,10 +75,11 @@ def _short_reason(reason: str, limit: int = 400) -> str:
 
 
 def train_groups_plain(
-    grid, server_round: int, groups: list[Group], config: dict[str, Any], timeout: float
+    grid, server_round: int, groups: list[Group], config: dict[str, Any], timeout: float, limits: ReplyLimits
 ) -> list[GroupResult]:
     """Train every member of every group at once; return each group's weighted mean of its valid replies (each
-    member's weight as the group asked, ``Group.weight_by``, reported by the member)."""
+    member's weight as the group asked, ``Group.weight_by``, reported by the member, capped at what the group
+    allows). Every reply is held to ``limits`` (``common.reply_checks``); a bad one is left out with its reason."""
     messages = []
     for group in groups:
         for nid in group.members:
@@ -90,22 +92,42 @@ def train_groups_plain(
     for group in groups:
         result = GroupResult(group.name, None, 0.0, [])
         updates, weights = [], []
+        cap = max_weight(group, limits.examples_per_round)
         for nid in group.members:
             try:
-                arrays, n, metrics = read_train_reply(_content(replies[nid]), group.reply_reference(nid))
-            except (ReplyError, KeyError, TypeError, ValueError) as err:
-                result.rejected[nid] = str(err)
-                log.warning("round %d group %s: reply from node %d rejected: %s", server_round, group.name, nid, err)
+                arrays, n, metrics, notes = _accept_train_reply(replies[nid], group.reply_reference(nid), cap, limits)
+            except Exception as err:  # whatever a reply holds, it costs only this member's contribution
+                reason = str(err) if isinstance(err, ReplyError) else f"malformed reply: {err!r}"
+                result.rejected[nid] = reason
+                log.warning("round %d group %s: reply from node %d rejected: %s", server_round, group.name, nid, reason)
                 continue
+            for note in notes:
+                log.warning("round %d group %s: node %d: %s", server_round, group.name, nid, note)
             updates.append(arrays)
             weights.append(n)
             result.contributors.append(nid)
-            result.metrics[nid] = {**metrics, "num_examples": n, "bytes_up": num_bytes(arrays)}
+            result.metrics[nid] = {**metrics, "num_examples": n, "bytes_up": num_bytes(arrays), "robust": notes}
         if updates:
             result.mean = weighted_mean(updates, weights)
             result.total_weight = float(sum(weights))
         results.append(result)
     return results
+
+
+def _accept_train_reply(
+    reply: Message | str, start: Arrays, cap: float, limits: ReplyLimits
+) -> tuple[Arrays, int, dict[str, Any], list[str]]:
+    """One member's reply held to ``limits``: (update, weight, metrics, what was capped or clipped)."""
+    arrays, count, metrics = read_train_reply(_content(reply), start)
+    metrics = check_metrics(metrics, limits.train_metrics)
+    n, capped = check_weight(count, cap)
+    arrays = check_update(arrays, start, limits.max_update_norm)
+    notes = [f"num_examples {count} capped at {n}"] if capped else []
+    if limits.clip_norm is not None:
+        arrays, clipped = clip_update(arrays, start, limits.clip_norm)
+        if clipped:
+            notes.append(f"update clipped to robust.clip-norm={limits.clip_norm:g}")
+    return arrays, n, metrics, notes
 
 
 def member_config(group: Group, config: dict[str, Any]) -> dict[str, Any]:
@@ -255,10 +277,10 @@ def evaluate_nodes(
     out: dict[int, dict | str] = {}
     for nid, reply in _send(grid, messages, timeout).items():
         try:
-            out[nid] = read_metrics(_content(reply))
-        except (ReplyError, KeyError, TypeError) as err:
-            out[nid] = str(err)
-            log.warning("round %d: evaluation by node %d failed: %s", server_round, nid, err)
+            out[nid] = check_metrics(read_metrics(_content(reply)), EVAL_METRICS)
+        except Exception as err:  # a bad evaluation reply loses only this node's row
+            out[nid] = str(err) if isinstance(err, ReplyError) else f"malformed reply: {err!r}"
+            log.warning("round %d: evaluation by node %d failed: %s", server_round, nid, out[nid])
     return out
 
 

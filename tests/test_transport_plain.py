@@ -8,6 +8,7 @@ import pytest
 from flwr.app import Error, Message, RecordDict
 
 from common.records import read_train_instruction, report_reply, train_reply
+from common.reply_checks import ReplyLimits
 from server_app.transport import collect_reports, train_groups_plain
 from strategies.aggregation import weighted_mean
 from strategies.base import ClientInfo, Group
@@ -16,6 +17,9 @@ from strategies.simgrad import SimGrad, SimGradSection
 pytestmark = pytest.mark.usefixtures("task_identity")  # Messages built outside an app (conftest)
 
 
+# what every train reply carries (common.reply_checks.TRAIN_METRICS), and the round's limits
+METRICS = {"train_loss": 1.0, "train_tokens": 10, "train_seconds": 1.0, "tokens_per_second": 10.0, "partition-id": 0}
+LIMITS = ReplyLimits(examples_per_round=100)
 START = {"w.lora_A.weight": np.zeros((2, 3), np.float32), "w.lora_B.weight": np.zeros((3, 2), np.float32)}
 
 
@@ -60,16 +64,16 @@ class InMemoryGrid:
 
 
 def good(value, n):
-    return lambda arrays: train_reply({k: v + value for k, v in arrays.items()}, n, {"train_loss": 1.0})
+    return lambda arrays: train_reply({k: v + value for k, v in arrays.items()}, n, METRICS)
 
 
 def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
     behaviour = {
         1: good(1.0, 10),
         2: good(3.0, 30),
-        3: lambda a: train_reply({**a, "w.lora_A.weight": np.full((2, 3), np.nan, np.float32)}, 5, {}),  # NaN
-        4: lambda a: train_reply({**a, "w.lora_B.weight": np.zeros((4, 4), np.float32)}, 5, {}),  # wrong shape
-        5: lambda a: train_reply({"w.lora_A.weight": a["w.lora_A.weight"]}, 5, {}),  # missing key
+        3: lambda a: train_reply({**a, "w.lora_A.weight": np.full((2, 3), np.nan, np.float32)}, 5, METRICS),  # NaN
+        4: lambda a: train_reply({**a, "w.lora_B.weight": np.zeros((4, 4), np.float32)}, 5, METRICS),  # wrong shape
+        5: lambda a: train_reply({"w.lora_A.weight": a["w.lora_A.weight"]}, 5, METRICS),  # missing key
         6: lambda a: Error(code=0, reason="client crashed"),
         7: lambda a: None,  # never answers
         8: lambda a: "offline",  # killed: the SuperLink answers for it
@@ -79,7 +83,7 @@ def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
     server_log = logging.getLogger("tessera.server")  # it does not propagate to the root logger caplog watches
     server_log.addHandler(caplog.handler)
     try:
-        (result,) = train_groups_plain(grid, 1, [group], {"server-round": 1}, timeout=1.0)
+        (result,) = train_groups_plain(grid, 1, [group], {"server-round": 1}, timeout=1.0, limits=LIMITS)
     finally:
         server_log.removeHandler(caplog.handler)
     assert result.contributors == [1, 2]
@@ -96,7 +100,7 @@ def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
 
 def test_all_bad_gives_no_mean():
     grid = InMemoryGrid({1: lambda a: None, 2: lambda a: Error(code=0, reason="x")})
-    (result,) = train_groups_plain(grid, 2, [Group("all", {1: START, 2: START})], {}, timeout=1.0)
+    (result,) = train_groups_plain(grid, 2, [Group("all", {1: START, 2: START})], {}, timeout=1.0, limits=LIMITS)
     assert result.mean is None and result.contributors == []
 
 
@@ -108,15 +112,15 @@ def test_groups_train_in_one_batch_and_return_only_their_send_back_names():
     def routed(nid):
         def reply(arrays, config):
             seen[nid] = config["active-blocks"]
-            return train_reply({"w.lora_A.weight": arrays["w.lora_A.weight"] + nid}, 4, {})
+            return train_reply({"w.lora_A.weight": arrays["w.lora_A.weight"] + nid}, 4, METRICS)
 
         return reply
 
-    grid = InMemoryGrid({1: routed(1), 2: routed(2), 3: lambda a: train_reply(a, 4, {})})  # 3 sends too much
+    grid = InMemoryGrid({1: routed(1), 2: routed(2), 3: lambda a: train_reply(a, 4, METRICS)})  # 3 sends too much
     groups = [
         Group(f"p{n}", {n: START}, send_back=["w.lora_A.weight"], config={"active-blocks": "0"}) for n in (1, 2, 3)
     ]
-    results = train_groups_plain(grid, 1, groups, {"server-round": 1}, timeout=1.0)
+    results = train_groups_plain(grid, 1, groups, {"server-round": 1}, timeout=1.0, limits=LIMITS)
     assert grid.batches == 1 and seen == {1: "0", 2: "0"}
     assert [sorted(r.mean) if r.mean else None for r in results] == [["w.lora_A.weight"], ["w.lora_A.weight"], None]
     np.testing.assert_allclose(results[1].mean["w.lora_A.weight"], 2.0)
@@ -198,8 +202,12 @@ def test_fedavg_equals_flowers_own_fedavg_on_the_same_replies():
     examples = {1: 8, 2: 24, 3: 40}
     ours = FedAvg()
     ours.initialise({nid: ClientInfo(nid, nid, "m", START) for nid in updates})
-    grid = InMemoryGrid({nid: (lambda a, nid=nid: train_reply(updates[nid], examples[nid], {})) for nid in updates})
-    ours.update(1, train_groups_plain(grid, 1, ours.train_groups(1, [1, 2, 3]), {"server-round": 1}, timeout=1.0))
+    grid = InMemoryGrid(
+        {nid: (lambda a, nid=nid: train_reply(updates[nid], examples[nid], METRICS)) for nid in updates}
+    )
+    ours.update(
+        1, train_groups_plain(grid, 1, ours.train_groups(1, [1, 2, 3]), {"server-round": 1}, timeout=1.0, limits=LIMITS)
+    )
 
     replies = []
     for nid, update in updates.items():
@@ -216,3 +224,79 @@ def test_fedavg_equals_flowers_own_fedavg_on_the_same_replies():
     theirs = flower.to_numpy_ndarrays()
     for key, value in zip(sorted(START), theirs):
         np.testing.assert_allclose(ours.eval_arrays(1)[key], value, rtol=1e-6, atol=1e-7)
+
+
+def _with_count(reply: RecordDict, count) -> RecordDict:
+    """A train reply whose num_examples is ``count`` as sent, whatever its type (a lying or broken client)."""
+    from flwr.app import MetricRecord
+
+    reply["fitres.num_examples"] = MetricRecord({"num_examples": count})
+    return reply
+
+
+def test_a_hostile_reply_costs_only_its_own_contribution(caplog):
+    """Each of these aborted the ServerApp or poisoned the mean before: the round goes on with the good members,
+    and every bad one is named with its reason."""
+    from flwr.app import ConfigRecord
+
+    def metrics_with(**bad):
+        return lambda a: train_reply({k: v + 1.0 for k, v in a.items()}, 5, {**METRICS, **bad})
+
+    def raw_metrics(value):  # a bytes value cannot even be put in a ConfigRecord by train_reply's path
+        def reply(a):
+            content = train_reply({k: v + 1.0 for k, v in a.items()}, 5, METRICS)
+            content["fitres.metrics"] = ConfigRecord({**METRICS, "train_loss": value})
+            return content
+
+        return reply
+
+    behaviour = {
+        1: good(1.0, 10),
+        2: good(3.0, 30),
+        3: lambda a: _with_count(train_reply({k: v + 9 for k, v in a.items()}, 5, METRICS), float("inf")),
+        4: lambda a: _with_count(train_reply({k: v + 9 for k, v in a.items()}, 5, METRICS), [5, 5]),
+        5: metrics_with(train_loss="low"),
+        6: lambda a: train_reply(
+            {k: v + 1.0 for k, v in a.items()}, 5, {k: v for k, v in METRICS.items() if k != "train_loss"}
+        ),
+        7: raw_metrics(b"\x00\x01"),
+        8: lambda a: train_reply({k: np.full(v.shape, 1e39) for k, v in a.items()}, 5, METRICS),  # float64 beyond f32
+        9: lambda a: train_reply({k: v + 1e4 for k, v in a.items()}, 5, METRICS),  # far beyond max-update-norm
+    }
+    grid = InMemoryGrid(behaviour)
+    (result,) = train_groups_plain(grid, 1, [Group("all", {n: START for n in behaviour})], {}, 1.0, limits=LIMITS)
+    assert sorted(result.contributors) == [1, 2]
+    expected = weighted_mean([{k: v + 1.0 for k, v in START.items()}, {k: v + 3.0 for k, v in START.items()}], [10, 30])
+    for key in START:
+        np.testing.assert_allclose(result.mean[key], expected[key], rtol=1e-6)
+    why = result.rejected
+    assert "num_examples" in why[3] and "finite" in why[3]
+    assert "num_examples" in why[4] and "number" in why[4]
+    assert "train_loss" in why[5] and "train_loss" in why[6] and "missing" in why[6]
+    assert "train_loss" in why[7] and "bytes" in why[7]
+    assert "NaN or Inf" in why[8]
+    assert "max-update-norm" in why[9]
+
+
+def test_a_weight_beyond_the_instruction_is_capped_and_clipping_is_reported():
+    """One client claiming 1e12 examples no longer owns the average; with robust.clip-norm a far update is scaled
+    back to the norm, and both adjustments are reported with the member."""
+    behaviour = {
+        1: good(1.0, 10),
+        2: lambda a: _with_count(train_reply({k: v + 3.0 for k, v in a.items()}, 5, METRICS), 1e12),
+    }
+    (result,) = train_groups_plain(InMemoryGrid(behaviour), 1, [Group("all", {1: START, 2: START})], {}, 1.0, LIMITS)
+    assert result.metrics[2]["num_examples"] == LIMITS.examples_per_round
+    assert "capped at 100" in result.metrics[2]["robust"][0]
+    expected = weighted_mean(
+        [{k: v + 1.0 for k, v in START.items()}, {k: v + 3.0 for k, v in START.items()}], [10, 100]
+    )
+    for key in START:
+        np.testing.assert_allclose(result.mean[key], expected[key], rtol=1e-6)
+
+    clip = ReplyLimits(examples_per_round=100, clip_norm=1.0)
+    (result,) = train_groups_plain(InMemoryGrid({1: good(1.0, 10)}), 1, [Group("all", {1: START})], {}, 1.0, clip)
+    from common.reply_checks import update_norm
+
+    assert update_norm(result.mean, START) == pytest.approx(1.0, rel=1e-5)
+    assert "clipped" in result.metrics[1]["robust"][0]
