@@ -124,11 +124,11 @@ class RobustSection(Section):
     """How much the server trusts one update (checked on every plain-mode train reply, ``common.reply_checks``).
 
     max_update_norm: an update further (L2) than this from what the member was sent is refused for the round.
-    clip_norm: if set, updates further than this are scaled back to it; each clip is logged and counted.
+    clip_norm: if > 0, updates further than this are scaled back to it; each clip is logged and counted (0: off).
     """
 
     max_update_norm: float = Field(1e3, gt=0, allow_inf_nan=False)
-    clip_norm: float | None = Field(None, gt=0, allow_inf_nan=False)
+    clip_norm: float = Field(0.0, ge=0, allow_inf_nan=False)
 
 
 class RunConfig(Section):

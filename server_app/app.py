@@ -194,7 +194,7 @@ def reply_limits(cfg: RunConfig) -> ReplyLimits:
     return ReplyLimits(
         examples_per_round=examples_per_round(cfg),
         max_update_norm=cfg.robust.max_update_norm,
-        clip_norm=cfg.robust.clip_norm,
+        clip_norm=cfg.robust.clip_norm or None,
     )
 
 

@@ -25,7 +25,7 @@ GOOD_TRAIN = {
     "tokens_per_second": 60.0,
     "partition-id": 1,
 }
-GOOD_EVAL = {"eval_loss": 2.0, "exact_match": 0.5, "rouge_l": 0.25, "partition-id": 0, "model": "smollm2"}
+GOOD_EVAL = {"eval_loss": 2.0, "exact_match": 0.5, "rouge_l": 0.25, "eval_examples": 8, "partition-id": 0, "model": "m"}
 
 
 def test_good_metrics_pass_unchanged():

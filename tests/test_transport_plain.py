@@ -138,6 +138,8 @@ def test_malformed_signatures_are_left_out_of_the_relevance_matrix_with_a_reason
         6: lambda content: signature_report(good_sig, [0.1]),  # salience for the wrong number of blocks
         7: lambda content: RecordDict(),  # no report at all
         8: lambda content: report_reply({"sig": good_sig}, {"salience": [0.1, 0.1]}),  # not a signature
+        9: lambda content: signature_report(np.full(12, 1e30, np.float32), [0.1, 0.1]),  # huge: NaN relevance before
+        10: lambda content: signature_report(np.full(12, 1e39, np.float64), [0.1, 0.1]),  # beyond float32
     }
     strategy = SimGrad(SimGradSection())
     two_blocks = {
@@ -153,14 +155,16 @@ def test_malformed_signatures_are_left_out_of_the_relevance_matrix_with_a_reason
         left_out = strategy.observe_reports(1, reports)
     finally:
         server_log.removeHandler(caplog.handler)
-    assert sorted(reports) == [1, 2, 5] and sorted(rejected) == [3, 4, 6, 7, 8]
+    assert sorted(reports) == [1, 2, 5] and sorted(rejected) == [3, 4, 6, 7, 8, 9, 10]
+    assert "within" in rejected[9] and "Inf" in rejected[10]
     assert "NaN" in rejected[3] and "zeros" in rejected[4] and "salience" in rejected[6]
     assert "report" in rejected[7] and "signature" in rejected[8]
     assert list(left_out) == [5] and "7 numbers" in left_out[5]  # the majority's signature length wins
     assert strategy.report()["relevance_nodes"] == [1, 2]
     np.testing.assert_allclose(reports[2].salience, [0.3, 0.0])
     assert sizes[1] == good_sig.nbytes
-    assert sum("report left out" in rec.message for rec in caplog.records) == 5
+    assert sum("report left out" in rec.message for rec in caplog.records) == 7
+    assert np.all(np.isfinite(strategy.report()["relevance_weights"]))
 
 
 def signature_report(signature, salience):

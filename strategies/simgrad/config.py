@@ -17,7 +17,8 @@ class SimGradSection(Section):
     """SimGrad relevance aggregation: signatures, relevance softmax, grouping, routing and alignment."""
 
     key: ClassVar[str] = "simgrad"
-    temperature: float = Field(0.3, gt=0)  # row softmax of the cosine relevance matrix
+    # row softmax of the cosine relevance matrix; below 0.01 the softmax is a hard max, and tiny values gave NaN
+    temperature: float = Field(0.3, ge=0.01, le=100, allow_inf_nan=False)
     mixing: Literal["relevance", "uniform", "local-only"] = "relevance"  # uniform / local-only: ablations
     probe_model: str = Field("smollm2-135m-instruct", min_length=1)  # the small frozen model every client probes
     probe_examples: int = Field(8, ge=1)

@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 log = get_logger("tessera.server")
 
 
+# Signatures are per-token mean gradient sketches (|x| far below 1e6); a client's must stay within these bounds.
+MAX_SIGNATURE_SIZE = 1 << 20
+MAX_SIGNATURE_ABS = 1e6
+
+
 @dataclass
 class ClientReport:
     """A client's per-round report: its sanitised signature and the salience of each adapter block."""
@@ -111,10 +116,15 @@ class SimGrad(Strategy):
         signature = arrays.get("signature")
         if signature is None:
             raise ValueError("report lacks the 'signature' array")
-        if signature.ndim != 1 or signature.size == 0:
-            raise ValueError(f"signature must be a non-empty vector, got shape {signature.shape}")
+        if signature.ndim != 1 or not 0 < signature.size <= MAX_SIGNATURE_SIZE:
+            raise ValueError(f"signature must be a vector of 1 to {MAX_SIGNATURE_SIZE} numbers, got {signature.shape}")
+        with np.errstate(over="ignore"):  # beyond float32: Inf, refused below
+            signature = np.asarray(signature, dtype=np.float32)
         if not np.all(np.isfinite(signature)):
-            raise ValueError("signature contains NaN or Inf")
+            raise ValueError("signature contains NaN or Inf (as float32)")
+        if np.abs(signature).max() > MAX_SIGNATURE_ABS:  # its squares would overflow the cosine to NaN
+            largest = float(np.abs(signature).max())
+            raise ValueError(f"signature values must be within +-{MAX_SIGNATURE_ABS:g}, got {largest:.3g}")
         if not np.any(signature):
             raise ValueError("signature is all zeros (cosine relevance undefined)")
         num_blocks = len({block_of(k) for k in self.names})
