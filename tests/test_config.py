@@ -67,3 +67,9 @@ def test_simgrad_trains_pqlora_and_models_cycle_over_partitions():
     assert [cfg.model_for_partition(i) for i in range(4)] == ["a", "b", "a", "b"]
     assert RunConfig().model_for_partition(3) == RunConfig().model.name
     assert cfg.train_settings().learning_rate == 0.02 and RunConfig().train_settings().learning_rate == 1e-3
+
+
+@pytest.mark.parametrize("value", [1e-309, 0.0, float("nan"), float("inf"), 1e6])
+def test_simgrad_temperature_is_finite_and_not_tiny(value):
+    with pytest.raises(ConfigError, match="simgrad.temperature"):
+        RunConfig.from_flat({"strategy": "simgrad", "simgrad.temperature": value})
