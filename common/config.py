@@ -110,14 +110,46 @@ class EvalSection(Section):
     max_new_tokens: int = Field(16, ge=1, le=1024)
 
 
-class SecAggSection(Section):
-    """Flower SecAgg+ settings (used when ``secure`` is true)."""
+MODULUS_RANGE = 2**32  # SecAgg+'s arithmetic is modulo this (Flower's default); a group's sum must stay below it
 
-    num_shares: float = Field(1.0, gt=0)  # <= 1: a fraction of the group; > 2: a count
-    reconstruction_threshold: float = Field(0.67, gt=0)
-    clipping_range: float = Field(8.0, gt=0)
-    quantization_range: int = Field(2**22, ge=2)
-    timeout: float = Field(1800.0, gt=0)
+
+class SecAggSection(Section):
+    """Flower SecAgg+ settings (used when ``secure`` is true), checked here so that a value Flower would refuse (or
+    overflow with) fails before round 1 instead of crashing the run inside Flower after round 0's evaluation."""
+
+    num_shares: float = Field(1.0, gt=0, allow_inf_nan=False)  # <= 1: a fraction of the group; >= 3: a count
+    reconstruction_threshold: float = Field(0.67, gt=0, allow_inf_nan=False)  # <= 1: a fraction; >= 2: a count
+    clipping_range: float = Field(8.0, gt=0, allow_inf_nan=False)
+    # each member's values are quantised to [0, range): a group of 3 (the smallest) must sum below the modulus
+    quantization_range: int = Field(2**22, ge=2, le=MODULUS_RANGE // 3)
+    timeout: float = Field(1800.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("num_shares")
+    @classmethod
+    def _shares(cls, value: float) -> float:
+        if value > 1 and (value < 3 or not float(value).is_integer()):
+            raise ValueError(f"a fraction of the group in (0, 1] or a whole number of shares >= 3, got {value}")
+        return value
+
+    @field_validator("reconstruction_threshold")
+    @classmethod
+    def _threshold(cls, value: float) -> float:
+        if value > 1 and not float(value).is_integer():
+            raise ValueError(f"a fraction of the shares in (0, 1] or a whole number >= 2, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _threshold_below_shares(self) -> SecAggSection:
+        if (
+            self.num_shares > 1
+            and self.reconstruction_threshold > 1
+            and (self.reconstruction_threshold >= self.num_shares)
+        ):
+            raise ValueError(
+                f"secagg.reconstruction-threshold: {self.reconstruction_threshold:g} must be below "
+                f"secagg.num-shares={self.num_shares:g}"
+            )
+        return self
 
 
 class RobustSection(Section):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
-from common.config import SecAggSection
+from common.config import MODULUS_RANGE, SecAggSection
 from common.logs import get_logger
 from common.records import (
     QUERY_INITIAL,
@@ -189,8 +189,8 @@ def train_group_secure(
     from flwr.server.workflow import SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 
-    if len(group.members) < MIN_SECURE_GROUP:  # never in the clear instead, never a leaking group: not trained
-        why = f"secure group of {len(group.members)} < {MIN_SECURE_GROUP} members is not trained (SecAgg+ would leak)"
+    why = secure_group_problem(len(group.members), cfg)
+    if why:  # never in the clear instead, never a leaking or failing group: not trained, and said so
         log.error("round %d group %s: %s", server_round, group.name, why)
         return GroupResult(group.name, None, 0.0, [], rejected={nid: why for nid in group.members})
     reference = group.reply_reference(group.members[0])  # what members send back (packed: one vector)
@@ -227,6 +227,21 @@ def train_group_secure(
     for nid, reason in result.rejected.items():
         log.warning("round %d group %s: node %d left out: %s", server_round, group.name, nid, reason)
     return result
+
+
+def secure_group_problem(size: int, cfg: SecAggSection) -> str | None:
+    """Why a SecAgg+ group of ``size`` members cannot run with ``cfg`` (None if it can): under 3 members it leaks
+    (2: each learns the other's update; 1: the update itself); counts of shares or of the reconstruction threshold
+    beyond the group fail inside Flower; the group's quantised sum must stay below the modulus."""
+    if size < MIN_SECURE_GROUP:
+        return f"secure group of {size} < {MIN_SECURE_GROUP} members is not trained (SecAgg+ would leak)"
+    if cfg.num_shares > 1 and cfg.num_shares > size:
+        return f"secagg.num-shares={cfg.num_shares:g} exceeds the group's {size} members"
+    if cfg.reconstruction_threshold > 1 and cfg.reconstruction_threshold > size:
+        return f"secagg.reconstruction-threshold={cfg.reconstruction_threshold:g} exceeds the group's {size} members"
+    if size * cfg.quantization_range >= MODULUS_RANGE:
+        return f"{size} members x secagg.quantization-range={cfg.quantization_range} overflows SecAgg+'s 2^32 modulus"
+    return None
 
 
 def _as_share_param(value: float) -> int | float:

@@ -73,3 +73,26 @@ def test_simgrad_trains_pqlora_and_models_cycle_over_partitions():
 def test_simgrad_temperature_is_finite_and_not_tiny(value):
     with pytest.raises(ConfigError, match="simgrad.temperature"):
         RunConfig.from_flat({"strategy": "simgrad", "simgrad.temperature": value})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("secagg.num-shares", 2),  # Flower refuses it at round 1, after a whole round-0 evaluation
+        ("secagg.num-shares", 2.5),
+        ("secagg.reconstruction-threshold", 1.5),
+        ("secagg.quantization-range", 2**33),  # overflows the 2^32 modulus: the same late crash
+        ("secagg.clipping-range", float("inf")),
+        ("secagg.clipping-range", 0.0),
+    ],
+)
+def test_secagg_parameters_flower_would_refuse_late_are_refused_up_front(key, value):
+    with pytest.raises(ConfigError, match=key):
+        RunConfig.from_flat({"secure": True, "min-train-replies": 3, key: value})
+
+
+def test_a_reconstruction_threshold_must_be_below_the_number_of_shares():
+    with pytest.raises(ConfigError, match="reconstruction-threshold"):
+        RunConfig.from_flat({"secagg.num-shares": 4, "secagg.reconstruction-threshold": 100})
+    cfg = RunConfig.from_flat({"secagg.num-shares": 4, "secagg.reconstruction-threshold": 3})
+    assert (cfg.secagg.num_shares, cfg.secagg.reconstruction_threshold) == (4, 3)

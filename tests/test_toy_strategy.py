@@ -167,3 +167,29 @@ def test_a_secure_group_of_fewer_than_three_is_not_trained():
     start = {"w": np.zeros(2, np.float32)}
     result = train_group_secure(None, None, 1, Group("pair", {1: start, 2: start}), {}, SecAggSection(), 8)
     assert result.mean is None and set(result.rejected) == {1, 2} and "2 < 3" in result.rejected[1]
+
+
+@pytest.mark.parametrize(
+    ("size", "settings", "says"),
+    [
+        (2, {}, "2 < 3"),
+        (3, {"num_shares": 4}, "num-shares=4 exceeds"),
+        (4, {"num_shares": 4, "reconstruction_threshold": 5}, None),  # refused at config time already
+        (3, {"reconstruction_threshold": 4}, "reconstruction-threshold=4 exceeds"),
+        (3, {"quantization_range": 2**31}, "overflows"),
+        (3, {}, ""),
+    ],
+)
+def test_a_secure_group_that_would_leak_or_fail_in_flower_is_named_not_run(size, settings, says):
+    from pydantic import ValidationError
+
+    from server_app.transport import secure_group_problem
+
+    try:
+        cfg = SecAggSection.model_validate({k: v for k, v in settings.items() if k != "quantization_range"})
+    except ValidationError:
+        assert says is None
+        return
+    cfg = cfg.model_copy(update={k: v for k, v in settings.items() if k == "quantization_range"})  # beyond config
+    problem = secure_group_problem(size, cfg)
+    assert problem is None if says == "" else says in (problem or "")
