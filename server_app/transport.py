@@ -39,7 +39,7 @@ from common.records import (
 )
 from common.reply_checks import EVAL_METRICS, ReplyLimits, check_metrics, check_update, check_weight, clip_update
 from strategies.aggregation import weighted_mean
-from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, Group, GroupResult
+from strategies.base import MIN_SECURE_GROUP, WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, Group, GroupResult
 
 if TYPE_CHECKING:
     from flwr.server.strategy import Strategy
@@ -140,9 +140,6 @@ def max_weight(group: Group, examples_per_round: int) -> float:
     if group.max_weight is not None:
         return group.max_weight
     return float(examples_per_round) if group.weight_by == WEIGHT_BY_EXAMPLES else 1.0
-
-
-MIN_SECURE_GROUP = 3  # SecAgg+ among 2 leaks each member's update to the other; among 1 it is the update itself
 
 
 def train_groups_secure(

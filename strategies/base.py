@@ -25,6 +25,7 @@ Arrays = dict[str, np.ndarray]
 
 # How a member's update is weighted in its group's sum (``Group.weight_by``). The client reports the weight as its
 # reply's ``num_examples`` (what SecAgg+ multiplies by before masking), so plain and secure sums agree.
+MIN_SECURE_GROUP = 3  # SecAgg+ among 2 leaks each member's update to the other; among 1 it is the update itself
 WEIGHT_BY = "weight-by"  # the train-instruction config key that carries it
 WEIGHT_BY_EXAMPLES = "examples"  # the examples it trained on this round (FedAvg)
 WEIGHT_EQUALLY = "equal"  # 1 each: a plain mean (or, with max_weight 1, a plain sum's share)

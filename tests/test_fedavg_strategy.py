@@ -78,3 +78,18 @@ def test_resume_refuses_a_checkpoint_without_every_family():
     single.load_state_dict({"global": adapter(0.3)})  # one family: the plain "global" checkpoint
     assert single.eval_arrays(1)["x.lora_A.weight"][0, 0] == np.float32(0.3)
     assert [(a.name, a.base_model) for a in single.final_adapters()] == [("", "smol")]
+
+
+def test_secure_fedavg_refuses_model_families_under_three_before_round_one():
+    """With model.partition-models giving a family of 2 and one of 1, SecAgg+ was attempted every round on groups
+    that leak (2) or cannot run (1); now the run stops before round 1, naming the families."""
+    clients = {n: ClientInfo(n, n, "smol" if n < 3 else ("qwen" if n < 5 else "tiny"), adapter(0.0)) for n in range(6)}
+    with pytest.raises(ValueError, match=r"\{'qwen': 2, 'tiny': 1\}.*fewer than 3"):
+        FedAvg(secure=True).initialise(clients)
+    FedAvg(secure=False).initialise(clients)  # plain mode averages a family of any size
+    ok = FedAvg(secure=True)
+    ok.initialise({n: ClientInfo(n, n, "smol", adapter(0.0)) for n in range(3)})
+    with pytest.raises(ValueError, match="'tiny': 1"):  # a node that would start a family of its own is refused
+        ok.initialise({7: ClientInfo(7, 7, "tiny", adapter(0.0))})
+    ok.initialise({8: ClientInfo(8, 8, "smol", adapter(0.0))})  # one that joins a family of 3 is taken
+    assert ok.family_of[8] == "smol"

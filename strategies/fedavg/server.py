@@ -9,10 +9,15 @@ each family's mean (through SecAgg+), never one client's adapter.
 from __future__ import annotations
 
 import re
+from collections import Counter
+from typing import TYPE_CHECKING
 
 from common.logs import get_logger
 
-from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
+from ..base import MIN_SECURE_GROUP, Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
 
 log = get_logger("tessera.server")
 
@@ -31,12 +36,25 @@ class FedAvg(Strategy):
 
     name = "fedavg"
 
-    def __init__(self) -> None:
+    def __init__(self, secure: bool = False) -> None:
+        self.secure = secure  # families become SecAgg+ groups: each needs at least MIN_SECURE_GROUP members
         self.family_of: dict[int, str] = {}  # node id -> family
         self.model_of_family: dict[str, str] = {}  # family -> the base model's name as the clients gave it
         self.global_arrays: dict[str, Arrays] = {}  # family -> adapter
 
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> FedAvg:
+        return cls(secure=cfg.secure)
+
     def initialise(self, clients: dict[int, ClientInfo]) -> None:
+        if self.secure:  # before round 1, not as a group skipped every round
+            sizes = Counter(self.family_of.values()) + Counter(family_key(i.model) for i in clients.values())
+            small = {family: n for family, n in sorted(sizes.items()) if n < MIN_SECURE_GROUP}
+            if small:
+                raise ValueError(
+                    f"secure=true: model families {small} have fewer than {MIN_SECURE_GROUP} clients; SecAgg+ "
+                    f"would leak their updates (FedAvg averages per base model: see model.partition-models)"
+                )
         for nid, info in sorted(clients.items()):
             family = family_key(info.model)
             self.family_of[nid] = family
