@@ -49,6 +49,11 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         log.error("%s", err)
         raise
     run = RunDirectory(cfg.run_dir)
+    if cfg.resume and not run.has_checkpoint():  # starting over would delete the metrics it means to continue
+        log.error("resume=true: no checkpoint in %s; nothing changed (resume=false starts over)", run.checkpoint_dir)
+        raise ValueError(
+            f"resume=true: no checkpoint in {run.checkpoint_dir}; nothing changed (resume=false starts over)"
+        )
     strategy = strategy_spec(cfg.strategy).server.from_config(cfg)
     node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.node_wait_timeout)
     log.info(

@@ -76,6 +76,9 @@ class RunDirectory:
             if old.name != arrays_name:
                 old.unlink()
 
+    def has_checkpoint(self) -> bool:
+        return (self.checkpoint_dir / "state.json").exists()
+
     def load_checkpoint(self) -> tuple[dict[str, Any], dict[str, Arrays]] | None:
         meta_path = self.checkpoint_dir / "state.json"
         if not meta_path.exists():

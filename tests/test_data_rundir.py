@@ -97,3 +97,18 @@ def test_a_crash_while_checkpointing_leaves_the_previous_round_whole(tmp_path, m
     meta, state = run.load_checkpoint()
     assert meta["round"] == 1
     np.testing.assert_array_equal(state["global"]["w"], np.ones(3, np.float32))  # round 1's arrays, not round 2's
+
+
+def test_resume_without_a_checkpoint_is_refused_and_keeps_the_metrics(tmp_path):
+    """It used to start over silently and delete metrics.jsonl, the very thing a resume means to continue."""
+    from flwr.app import Context, RecordDict
+
+    from server_app.app import run_federation
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"round": 0, "node": null}\n')
+    context = Context(1, 0, {}, RecordDict(), {"resume": True, "run-dir": str(run_dir)})
+    with pytest.raises(ValueError, match="resume=true: no checkpoint"):
+        run_federation(None, context)  # refused before it asks the grid for anything
+    assert (run_dir / "metrics.jsonl").read_text() == '{"round": 0, "node": null}\n'
