@@ -21,7 +21,7 @@ from common.logs import get_logger
 from common.records import metric_list, num_bytes
 from common.reply_checks import ReplyLimits
 from strategies import Strategy, strategy_spec
-from strategies.base import GroupResult
+from strategies.base import Arrays, GroupResult
 
 from .rundir import RunDirectory
 from .transport import (
@@ -73,11 +73,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     checkpoint = run.load_checkpoint() if cfg.resume else None
     if checkpoint is not None:
         meta, state = checkpoint
-        if meta["strategy"] != strategy.name:
-            raise ValueError(
-                f"resume: the checkpoint in {run.checkpoint_dir} is for strategy '{meta['strategy']}', "
-                f"not '{strategy.name}'"
-            )
+        check_resumable(cfg, strategy, meta, state, run.checkpoint_dir)
         strategy.load_state_dict(state)
         first_round = meta["round"] + 1
         run.truncate_metrics_after(meta["round"])
@@ -86,7 +82,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         if run.metrics_path.exists():
             run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
         _evaluate_round(grid, cfg, strategy, run, 0, node_ids, {}, time.perf_counter())
-        run.save_checkpoint(0, strategy.name, strategy.state_dict(), {"nodes": node_ids})
+        run.save_checkpoint(0, strategy.name, strategy.state_dict(), _checkpoint_meta(cfg, node_ids))
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
         started = time.perf_counter()
@@ -115,7 +111,9 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         rows[None].update(strategy.report())
         _evaluate_round(grid, cfg, strategy, run, server_round, node_ids, rows, started)
         strategy.plot_round(server_round, rows[None], run.path)
-        run.save_checkpoint(server_round, strategy.name, strategy.state_dict(), {"nodes": node_ids})
+        run.save_checkpoint(
+            server_round, strategy.name, strategy.state_dict(), {"nodes": node_ids, "settings": cfg.to_flat()}
+        )
 
     adapters = _save_adapters(cfg, strategy, run)
     plot = run.plot_eval_loss()
@@ -127,6 +125,37 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         flush=True,
     )
     return run
+
+
+def _checkpoint_meta(cfg: RunConfig, node_ids: list[int]) -> dict[str, Any]:
+    """Beside the state: the nodes, and the settings it was written with (``check_resumable`` compares them)."""
+    return {"nodes": node_ids, "settings": cfg.to_flat()}
+
+
+def check_resumable(cfg: RunConfig, strategy: Strategy, meta: dict, state: dict[str, Arrays], where) -> None:
+    """Refuse a checkpoint written by another strategy, base model or adapter shape, naming what differs (after
+    ``strategy.initialise``: its fresh state has this run's shapes)."""
+    if meta["strategy"] != strategy.name:
+        raise ValueError(
+            f"resume: the checkpoint in {where} is for strategy '{meta['strategy']}', not '{strategy.name}'"
+        )
+    before, now = meta.get("settings", {}), cfg.to_flat()
+    adapter_key = adapter_kind(cfg.adapter).section.key
+    shape_keys = [k for k in now if k in ("model.name", "model.partition-models") or k.startswith(adapter_key + ".")]
+    differ = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in shape_keys if k in before and before[k] != now[k]]
+    fresh = strategy.state_dict()
+    mismatched = [
+        f"{group}/{key} {state[group][key].shape} -> {arrays[key].shape}"
+        for group, arrays in fresh.items()
+        for key in arrays
+        if group in state and key in state[group] and state[group][key].shape != arrays[key].shape
+    ]
+    models_differ = any(d.startswith("model.") for d in differ)
+    if mismatched or models_differ:
+        raise ValueError(
+            f"resume: the checkpoint in {where} was written with other settings ({'; '.join(differ) or 'unrecorded'})"
+            + (f"; adapter shapes differ: {', '.join(mismatched[:3])}" if mismatched else "")
+        )
 
 
 def _admit_new_nodes(

@@ -93,3 +93,23 @@ def test_secure_fedavg_refuses_model_families_under_three_before_round_one():
         ok.initialise({7: ClientInfo(7, 7, "tiny", adapter(0.0))})
     ok.initialise({8: ClientInfo(8, 8, "smol", adapter(0.0))})  # one that joins a family of 3 is taken
     assert ok.family_of[8] == "smol"
+
+
+def test_resuming_with_another_lora_rank_or_model_is_refused_naming_the_key():
+    from common.config import RunConfig
+    from server_app.app import _checkpoint_meta, check_resumable
+
+    old_cfg = RunConfig.from_flat({"lora.r": 2})
+    saved = FedAvg()
+    saved.initialise({1: ClientInfo(1, 0, "smol", adapter(0.0))})
+    meta = {"strategy": "fedavg", "round": 1, **_checkpoint_meta(old_cfg, [1])}
+    state = saved.state_dict()
+
+    wider = {k: np.zeros((v.shape[0] * 2, *v.shape[1:]), np.float32) for k, v in adapter(0.0).items()}
+    now = FedAvg()
+    now.initialise({1: ClientInfo(1, 0, "smol", wider)})
+    with pytest.raises(ValueError, match=r"lora.r: 2 -> 4.*adapter shapes differ"):
+        check_resumable(RunConfig.from_flat({"lora.r": 4}), now, meta, state, "ckpt")
+    with pytest.raises(ValueError, match=r"model.name: 'smollm2-135m-instruct' -> 'other'"):
+        check_resumable(RunConfig.from_flat({"lora.r": 2, "model.name": "other"}), saved, meta, state, "ckpt")
+    check_resumable(RunConfig.from_flat({"lora.r": 2, "train.learning-rate": 0.01}), saved, meta, state, "ckpt")
