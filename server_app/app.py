@@ -340,10 +340,7 @@ def _save_adapters(cfg: RunConfig, strategy: Strategy, run: RunDirectory) -> lis
     """The strategy's final adapters, each written the way its adapter kind saves a server copy (PEFT for LoRA)."""
     kind = adapter_kind(cfg.adapter)
     return [
-        kind.save_server_copy(
-            a.arrays, cfg, a.base_model, run.path / "adapters" / a.name if a.name else run.path / "adapter"
-        )
-        for a in strategy.final_adapters()
+        kind.save_server_copy(a.arrays, cfg, a.base_model, run.adapter_dir(a.name)) for a in strategy.final_adapters()
     ]
 
 

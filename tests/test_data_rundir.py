@@ -93,7 +93,7 @@ def test_a_crash_while_checkpointing_leaves_the_previous_round_whole(tmp_path, m
     with pytest.raises(OSError):
         run.save_checkpoint(2, "fedavg", {"global": {"w": np.full(3, 2.0, np.float32)}}, {})
     monkeypatch.setattr(os, "replace", real_replace)
-    assert len(calls) == 2  # round 2's arrays did land, under their own name
+    assert calls[0].name == "state-00002.npz"  # round 2's arrays did land, under their own name
     meta, state = run.load_checkpoint()
     assert meta["round"] == 1
     np.testing.assert_array_equal(state["global"]["w"], np.ones(3, np.float32))  # round 1's arrays, not round 2's
@@ -112,3 +112,64 @@ def test_resume_without_a_checkpoint_is_refused_and_keeps_the_metrics(tmp_path):
     with pytest.raises(ValueError, match="resume=true: no checkpoint"):
         run_federation(None, context)  # refused before it asks the grid for anything
     assert (run_dir / "metrics.jsonl").read_text() == '{"round": 0, "node": null}\n'
+
+
+def _two_rounds(tmp_path) -> RunDirectory:
+    run = RunDirectory(tmp_path / "run")
+    for server_round in (1, 2):
+        run.save_checkpoint(server_round, "fedavg", {"global": {"w": np.full(3, float(server_round), np.float32)}}, {})
+    return run
+
+
+@pytest.mark.parametrize("damage", ["torn json", "truncated arrays", "arrays outside the run"])
+def test_a_damaged_last_checkpoint_falls_back_to_the_previous_round(tmp_path, damage):
+    run = _two_rounds(tmp_path)
+    last = run.checkpoint_dir / "state.json"
+    if damage == "torn json":
+        last.write_text(last.read_text()[:20])
+    elif damage == "truncated arrays":
+        npz = run.checkpoint_dir / "state-00002.npz"
+        npz.write_bytes(npz.read_bytes()[:50])
+    else:  # a state.json edited to point elsewhere is not followed
+        (tmp_path / "elsewhere.npz").write_bytes((run.checkpoint_dir / "state-00002.npz").read_bytes())
+        last.write_text(last.read_text().replace('"state-00002.npz"', '"../../elsewhere.npz"'))
+    meta, state = run.load_checkpoint()
+    assert meta["round"] == 1 and np.all(state["global"]["w"] == 1.0)
+
+
+def test_a_checkpoint_with_nothing_readable_is_an_error_not_a_fresh_start(tmp_path):
+    run = _two_rounds(tmp_path)
+    for name in ("state.json", "state.prev.json"):
+        (run.checkpoint_dir / name).write_text("{")
+    with pytest.raises(ValueError, match="no readable checkpoint"):
+        run.load_checkpoint()
+
+
+def test_only_the_last_two_rounds_are_kept_on_disk(tmp_path):
+    run = _two_rounds(tmp_path)
+    run.save_checkpoint(3, "fedavg", {"global": {"w": np.zeros(3, np.float32)}}, {})
+    assert sorted(p.name for p in run.checkpoint_dir.iterdir()) == [
+        "state-00002.npz",
+        "state-00003.npz",
+        "state.json",
+        "state.prev.json",
+    ]
+
+
+def test_a_torn_last_metrics_line_is_ignored_but_a_torn_middle_line_is_an_error(tmp_path):
+    run = RunDirectory(tmp_path / "run")
+    run.append_metrics([{"round": 0, "node": None}, {"round": 1, "node": None}])
+    with open(run.metrics_path, "a") as handle:
+        handle.write('{"round": 2, "no')  # the process died while appending
+    assert [r["round"] for r in run.read_metrics()] == [0, 1]
+    run.metrics_path.write_text('{"round": 0}\n{"rou\n{"round": 1}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        run.read_metrics()
+
+
+@pytest.mark.parametrize("name", ["..", "../../etc", "/abs/path", "a/../../b", ".hidden", "qwen/7b"])
+def test_adapter_directories_from_model_names_stay_inside_the_run(tmp_path, name):
+    run = RunDirectory(tmp_path / "run")
+    target = run.adapter_dir(name).resolve()
+    assert target.is_relative_to((run.path / "adapters").resolve()) and target != (run.path / "adapters").resolve()
+    assert run.adapter_dir("") == run.path / "adapter"
