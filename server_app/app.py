@@ -21,7 +21,7 @@ from common.logs import get_logger
 from common.records import metric_list, num_bytes
 from common.reply_checks import ReplyLimits
 from strategies import Strategy, strategy_spec
-from strategies.base import Arrays, GroupResult
+from strategies.base import Arrays, ClientInfo, GroupResult
 
 from .rundir import RunDirectory
 from .transport import (
@@ -67,6 +67,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
 
     first_round = 1
     clients = query_clients(grid, node_ids, cfg.round_timeout)
+    check_partition_ids(clients)
     log.info("clients: %s", {nid: f"partition {c.partition_id}, {c.model}" for nid, c in sorted(clients.items())})
     strategy.initialise(clients)
     refused: set[int] = set()  # nodes that joined later and could not take part
@@ -167,8 +168,12 @@ def _admit_new_nodes(
     new = [nid for nid in connected if nid not in clients and nid not in refused]
     joined = query_clients(grid, new, cfg.round_timeout, required=False) if new else {}
     refused.update(nid for nid in new if nid not in joined)
+    live = set(connected)
     for nid, info in sorted(joined.items()):
         try:
+            holder = partition_holder(clients, info.partition_id, live)
+            if holder is not None:  # a restarted node's old id is gone; a live one with the same id is a clash
+                raise ValueError(f"partition {info.partition_id} is already node {holder}'s (node {nid} claims it)")
             strategy.initialise({nid: info})
             clients[nid] = info
             log.info("node %d joined: partition %d, %s", nid, info.partition_id, info.model)
@@ -176,6 +181,23 @@ def _admit_new_nodes(
             refused.add(nid)
             log.warning("node %d left out: %s", nid, err)
     return [nid for nid in connected if nid in clients]
+
+
+def check_partition_ids(clients: dict[int, ClientInfo]) -> None:
+    """Partition ids are self-declared (node-config): two nodes claiming one would train and be weighted as one
+    client twice, and their state would collide. Refused before round 1, naming the nodes."""
+    claims: dict[int, list[int]] = {}
+    for nid, info in sorted(clients.items()):
+        claims.setdefault(info.partition_id, []).append(nid)
+    clashes = {pid: nids for pid, nids in claims.items() if len(nids) > 1}
+    if clashes:
+        listed = "; ".join(f"partition {pid}: nodes {nids}" for pid, nids in sorted(clashes.items()))
+        raise ValueError(f"nodes claim the same partition-id (node-config): {listed}")
+
+
+def partition_holder(clients: dict[int, ClientInfo], partition_id: int, live: set[int]) -> int | None:
+    """The connected node that already holds ``partition_id``, if any."""
+    return next((nid for nid, c in clients.items() if c.partition_id == partition_id and nid in live), None)
 
 
 def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:

@@ -304,3 +304,26 @@ def test_a_weight_beyond_the_instruction_is_capped_and_clipping_is_reported():
 
     assert update_norm(result.mean, START) == pytest.approx(1.0, rel=1e-5)
     assert "clipped" in result.metrics[1]["robust"][0]
+
+
+def test_two_nodes_claiming_one_partition_are_refused_naming_both():
+    from common.config import RunConfig
+    from common.records import initial_reply
+    from server_app.app import _admit_new_nodes, check_partition_ids
+    from strategies.fedavg import FedAvg
+
+    with pytest.raises(ValueError, match=r"partition 1: nodes \[5, 9\]"):
+        check_partition_ids({n: ClientInfo(n, p, "m", START) for n, p in ((2, 0), (5, 1), (9, 1))})
+    check_partition_ids({n: ClientInfo(n, n, "m", START) for n in (1, 2, 3)})
+
+    # mid-run: a node claiming the partition of a node still connected is left out; a restarted node (its old id
+    # gone) takes its partition back
+    grid = InMemoryGrid(
+        {nid: lambda content: initial_reply(START, {"partition-id": 0, "model": "m"}) for nid in (7, 8)}
+    )
+    strategy, refused = FedAvg(), set()
+    clients = {1: ClientInfo(1, 0, "m", START)}
+    strategy.initialise(dict(clients))
+    cfg = RunConfig.from_flat({"round-timeout": 1.0})
+    assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [1, 7]) == [1] and refused == {7}
+    assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [8]) == [8] and clients[8].partition_id == 0
