@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import ipaddress
+import os
 from pathlib import Path
 
 from cryptography import x509
@@ -24,9 +25,20 @@ from cryptography.x509.oid import NameOID
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    path.write_bytes(data)
-    if private:
-        path.chmod(0o600)
+    """Write ``data`` to a fresh file created with its final mode (0600 for keys: never readable by others, not
+    even briefly), then renamed over ``path``: an existing file or symlink there is replaced, never followed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.replace(tmp, path)
+
+
+def _server_names(cert_path: Path) -> set[str]:
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {str(n.value) for n in names}
 
 
 def _key_pem(key) -> bytes:
@@ -95,7 +107,8 @@ def generate(out: Path, hosts: list[str], nodes: int, force: bool = False) -> Pa
     if force or not (out / "ca.crt").exists():
         ca_key, ca_cert = make_ca(out)
         make_server_cert(out, ca_key, ca_cert, hosts)
-    elif force or not (out / "server.pem").exists():
+    elif not (out / "server.pem").exists() or _server_names(out / "server.pem") != set(hosts):
+        # new --hosts: the server certificate is re-issued by the same CA (registered nodes stay valid)
         ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), None)
         make_server_cert(out, ca_key, x509.load_pem_x509_certificate((out / "ca.crt").read_bytes()), hosts)
     for i in range(nodes):
