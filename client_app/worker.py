@@ -27,13 +27,14 @@ import fcntl
 import os
 import secrets
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import traceback
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 
 from flwr.app import Context, Message
@@ -43,6 +44,7 @@ from flwr.proto.message_pb2 import Message as ProtoMessage
 
 APP_DIR = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 300.0
+PEER_TIMEOUT = 10.0  # seconds a connected peer has to authenticate and send its request
 
 
 class WorkerError(RuntimeError):
@@ -218,13 +220,19 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
         sock,
         lock=lock,
     )
-    listener = Listener(str(sock), family="AF_UNIX", backlog=16, authkey=_authkey(sock))  # ClientApps queue while busy
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(sock))
+    server.listen(16)  # ClientApps queue while busy
+    key = _authkey(sock)
     log.info("model worker %d serving %s (app %s)", os.getpid(), sock, APP_DIR)
     while True:
         try:
-            conn = listener.accept()
-            request = conn.recv()
-        except (EOFError, OSError, AuthenticationError):  # a liveness probe, or a ClientApp that left
+            conn = _accept(server, key)
+            request = _parse_request(conn.recv())
+        except (EOFError, OSError, AuthenticationError, ValueError) as err:
+            # a liveness probe, a ClientApp that left, a silent or malformed peer: dropped, the worker goes on
+            if isinstance(err, ValueError):
+                log.warning("model worker: a malformed request refused: %s", err)
             continue
         with conn:
             if request[0] == "stop":
@@ -253,6 +261,38 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
                 conn.send(answer)
             except OSError:
                 log.warning("model worker: the ClientApp left before its '%s' reply", kind)
+
+
+def _accept(server: socket.socket, key: bytes) -> Connection:
+    """The next peer, authenticated as ``Listener(authkey=...)`` would; reads time out after ``PEER_TIMEOUT``
+    seconds, so that a peer that connects and stays silent cannot block every ClientApp of the node."""
+    raw, _ = server.accept()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(PEER_TIMEOUT), 0))
+    conn = Connection(raw.detach())
+    try:
+        deliver_challenge(conn, key)
+        answer_challenge(conn, key)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _parse_request(request: object) -> tuple:
+    """A request is ("stop",) or ("handle", kind, message bytes, context bytes, seconds); anything else is refused."""
+    if isinstance(request, tuple) and request == ("stop",):
+        return request
+    if (
+        isinstance(request, tuple)
+        and len(request) == 5
+        and request[0] == "handle"
+        and request[1] in ("query", "train", "evaluate")
+        and isinstance(request[2], bytes)
+        and isinstance(request[3], bytes)
+        and isinstance(request[4], (int, float))
+    ):
+        return request
+    raise ValueError(f"not a worker request: {str(request)[:80]!r}")
 
 
 def _alive(pid: int) -> bool:

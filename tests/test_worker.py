@@ -120,6 +120,28 @@ def test_handler_errors_reach_the_clientapp_and_the_worker_keeps_serving(tiny_ll
     assert read_initial_reply(reply.content)[0]
 
 
+def test_a_silent_or_malformed_peer_does_not_stop_the_worker(tiny_llama_dir, tmp_path, launcher):
+    """A peer that connects and says nothing used to block every ClientApp of the node; a malformed request used
+    to kill the worker. Now the first times out and the second is refused, and the node's messages are served."""
+    import socket
+    from multiprocessing.connection import Client
+
+    context = Context(
+        run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config=run_config(tiny_llama_dir, tmp_path)
+    )
+    sock = worker.ensure_worker(launcher.pid, idle_timeout=120)
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(str(sock))  # and never authenticates
+    for bad in [("handle",), "stop", ("handle", "train", "x", b"", 0.0), ("handle", "rm -rf", b"", b"", 0.0)]:
+        with Client(str(sock), family="AF_UNIX", authkey=worker._authkey(sock)) as conn:
+            conn.send(bad)
+    started = time.monotonic()
+    reply = worker.call(sock, "query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context, 0.0)
+    assert read_initial_reply(reply.content)[0] and worker._listening(sock)
+    assert time.monotonic() - started < worker.PEER_TIMEOUT + 60  # served after the silent peer timed out
+    silent.close()
+
+
 def test_worker_exits_when_its_launcher_is_gone(tiny_llama_dir, tmp_path, launcher):
     sock = worker.ensure_worker(launcher.pid, idle_timeout=120)
     assert worker._listening(sock)
