@@ -1,13 +1,16 @@
 """Drive `flwr run . local` from Python (tests, benchmarks): a private Flower home, the run, and clean-up.
 
-`flwr run . local` starts a detached managed SuperLink (simulation, Ray) that outlives the run; ``stop_superlink``
-stops the one belonging to a given Flower home, found by its command line, which names that home.
+`flwr run . local` starts a detached managed SuperLink (simulation, Ray) that outlives the run; each Flower home
+gets its own ports for it (``local_ports``), and ``stop_superlink`` stops the one belonging to a given home, found by
+its command line, which names that home.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -22,9 +25,28 @@ def prepare_home(home: Path) -> Path:
     return home
 
 
+def local_ports(home: Path) -> dict[str, str]:
+    """The managed local SuperLink's ports for this Flower home, chosen free once and kept in the home: Flower's
+    defaults (39091, 39093) are fixed, so two homes on one machine would share (and fight over) one SuperLink."""
+    home.mkdir(parents=True, exist_ok=True)
+    record = home / "tessera-local-ports.json"
+    if record.exists():
+        return json.loads(record.read_text())
+    ports = {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port())}
+    record.write_text(json.dumps(ports))
+    return ports
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def flwr_env(home: Path) -> dict[str, str]:
     return {
         **os.environ,
+        **local_ports(home),
         "FLWR_HOME": str(home),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # else each run tries `uv sync` against the registry
         "FLWR_TELEMETRY_ENABLED": "0",
@@ -63,3 +85,12 @@ def stop_superlink(home: Path) -> int:
                 except psutil.NoSuchProcess:
                     pass
     return stopped
+
+
+if __name__ == "__main__":  # `python -m deploy.local_sim ports HOME`: the ports as shell exports (scripts/flwr_env.sh)
+    import sys
+
+    if sys.argv[1:2] != ["ports"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m deploy.local_sim ports FLWR_HOME")
+    for name, port in local_ports(Path(sys.argv[2])).items():
+        print(f"export {name}={port}")

@@ -7,5 +7,7 @@ mkdir -p "$FLWR_HOME"
 if [ ! -f "$FLWR_HOME/config.toml" ]; then
   printf '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n' > "$FLWR_HOME/config.toml"
 fi
+# Its managed local SuperLink's ports, chosen free once per home: two homes never share one SuperLink.
+eval "$(python3 -m deploy.local_sim ports "$FLWR_HOME")"
 # Stop the detached managed SuperLink that `flwr run . local` leaves behind (ours only: matched by FLWR_HOME).
 stop_local_superlink() { pkill -f "flower-superlink.*${FLWR_HOME}" 2>/dev/null || true; }
