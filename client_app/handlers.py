@@ -34,7 +34,7 @@ from common.records import (
     train_reply,
 )
 from common.training import round_learning_rate, train_round
-from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES
+from strategies.base import SECAGG_CLIP, SECAGG_MAX_WEIGHT, WEIGHT_BY, WEIGHT_BY_EXAMPLES
 
 from .runtime import begin_message, get_runtime
 
@@ -112,7 +112,17 @@ def train(msg: Message, context: Context) -> Message:
     metrics.update(strategy_metrics)
     metrics.update(rt.identity())
     weight = rt.strategy.member_weight(str(config.get(WEIGHT_BY, WEIGHT_BY_EXAMPLES)), metrics)
+    if SECAGG_CLIP in config:  # secure mode: how many values SecAgg+ will clamp to its range after weighting
+        metrics["secagg_clipped"] = secagg_clipped(updated, weight, config)
     return Message(train_reply(updated, weight, metrics), reply_to=msg)
+
+
+def secagg_clipped(arrays: dict[str, np.ndarray], weight: int, config: dict) -> int:
+    """The values Flower's secaggplus_mod will clip: it scales by min(weight / max weight, 1), then clamps to
+    +-clipping range."""
+    ratio = min(weight / float(config[SECAGG_MAX_WEIGHT]), 1.0)
+    limit = float(config[SECAGG_CLIP])
+    return int(sum(np.count_nonzero(np.abs(a) * ratio > limit) for a in arrays.values()))
 
 
 def evaluate_handler(msg: Message, context: Context) -> Message:

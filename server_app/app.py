@@ -284,6 +284,10 @@ def _train_rows(
                     if k in metrics
                 },
             }
+            if metrics.get("secagg_clipped"):  # values SecAgg+ clamped to its clipping range (the member counted)
+                rows[nid]["secagg_clipped"] = int(metrics["secagg_clipped"])
+                rows[None]["secagg_clipped"] = rows[None].get("secagg_clipped", 0) + int(metrics["secagg_clipped"])
+                log.warning("node %d: SecAgg+ clipped %d values to its range", nid, int(metrics["secagg_clipped"]))
             if metrics.get("robust"):  # capped weight, clipped update (common.reply_checks)
                 rows[nid]["robust"] = metrics["robust"]
                 rows[None]["robust_adjusted"] = rows[None].get("robust_adjusted", 0) + 1

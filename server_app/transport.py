@@ -39,7 +39,17 @@ from common.records import (
 )
 from common.reply_checks import EVAL_METRICS, ReplyLimits, check_metrics, check_update, check_weight, clip_update
 from strategies.aggregation import weighted_mean
-from strategies.base import MIN_SECURE_GROUP, WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, Group, GroupResult
+from strategies.base import (
+    MIN_SECURE_GROUP,
+    SECAGG_CLIP,
+    SECAGG_MAX_WEIGHT,
+    WEIGHT_BY,
+    WEIGHT_BY_EXAMPLES,
+    Arrays,
+    ClientInfo,
+    Group,
+    GroupResult,
+)
 
 if TYPE_CHECKING:
     from flwr.server.strategy import Strategy
@@ -191,7 +201,9 @@ def train_group_secure(
         log.error("round %d group %s: %s", server_round, group.name, why)
         return GroupResult(group.name, None, 0.0, [], rejected={nid: why for nid in group.members})
     reference = group.reply_reference(group.members[0])  # what members send back (packed: one vector)
-    capture = _CaptureGroup(grid, context.run_id, group, member_config(group, config))
+    # members count the values SecAgg+ will clip (it clamps silently): they need its range and this group's weight
+    clip_config = {SECAGG_CLIP: cfg.clipping_range, SECAGG_MAX_WEIGHT: max_weight(group, examples_per_round)}
+    capture = _CaptureGroup(grid, context.run_id, group, {**member_config(group, config), **clip_config})
     state = RecordDict(
         {MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()}
     )

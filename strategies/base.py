@@ -25,6 +25,9 @@ Arrays = dict[str, np.ndarray]
 
 # How a member's update is weighted in its group's sum (``Group.weight_by``). The client reports the weight as its
 # reply's ``num_examples`` (what SecAgg+ multiplies by before masking), so plain and secure sums agree.
+# train-instruction keys in secure mode: SecAgg+'s clipping range and the group's max weight, so that a member can
+# count the values SecAgg+ will clip (reported as the train metric "secagg_clipped")
+SECAGG_CLIP, SECAGG_MAX_WEIGHT = "secagg-clipping-range", "secagg-max-weight"
 MIN_SECURE_GROUP = 3  # SecAgg+ among 2 leaks each member's update to the other; among 1 it is the update itself
 WEIGHT_BY = "weight-by"  # the train-instruction config key that carries it
 WEIGHT_BY_EXAMPLES = "examples"  # the examples it trained on this round (FedAvg)

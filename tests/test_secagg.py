@@ -115,3 +115,15 @@ def test_secure_routed_pq_group_mean_equals_the_plain_group_mean():
     bound = secagg_error_bound(weights, SecAggSection().clipping_range, SecAggSection().quantization_range)
     for key in PQ_SEND_BACK:
         assert np.abs(np.asarray(out["mean"][key], dtype=np.float32) - plain[key]).max() <= bound
+
+
+def test_members_count_the_values_secagg_will_clip():
+    """SecAgg+ clamps weighted values to +-clipping-range silently; each member counts them so the round says so."""
+    from client_app.handlers import secagg_clipped
+    from strategies.base import SECAGG_CLIP, SECAGG_MAX_WEIGHT
+
+    update = {"a": np.array([1.0, 9.0, -20.0], np.float32), "b": np.array([[7.9, -8.1]], np.float32)}
+    config = {SECAGG_CLIP: 8.0, SECAGG_MAX_WEIGHT: 10.0}
+    assert secagg_clipped(update, 10, config) == 3  # 9, -20, -8.1
+    assert secagg_clipped(update, 5, config) == 1  # halved: only -20 -> -10
+    assert secagg_clipped(update, 50, config) == 3  # the ratio is capped at 1, as Flower does
