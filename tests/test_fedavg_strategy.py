@@ -110,6 +110,6 @@ def test_resuming_with_another_lora_rank_or_model_is_refused_naming_the_key():
     now.initialise({1: ClientInfo(1, 0, "smol", wider)})
     with pytest.raises(ValueError, match=r"lora.r: 2 -> 4.*adapter shapes differ"):
         check_resumable(RunConfig.from_flat({"lora.r": 4}), now, meta, state, "ckpt")
-    with pytest.raises(ValueError, match=r"model.name: 'smollm2-135m-instruct' -> 'other'"):
-        check_resumable(RunConfig.from_flat({"lora.r": 2, "model.name": "other"}), saved, meta, state, "ckpt")
+    with pytest.raises(ValueError, match=r"model.name: 'smollm2-135m-instruct' -> 'org/other'"):
+        check_resumable(RunConfig.from_flat({"lora.r": 2, "model.name": "org/other"}), saved, meta, state, "ckpt")
     check_resumable(RunConfig.from_flat({"lora.r": 2, "train.learning-rate": 0.01}), saved, meta, state, "ckpt")
