@@ -113,13 +113,16 @@ def train(msg: Message, context: Context) -> Message:
     metrics.update(rt.identity())
     weight = rt.strategy.member_weight(str(config.get(WEIGHT_BY, WEIGHT_BY_EXAMPLES)), metrics)
     if SECAGG_CLIP in config:  # secure mode: how many values SecAgg+ will clamp to its range after weighting
+        # Flower's SecAgg+ only warns when a weight exceeds its max_weight (the quantised sum can then wrap), and
+        # the server refuses a group whose reported weight is over it: an honest member caps its own.
+        weight = min(weight, int(float(config[SECAGG_MAX_WEIGHT])))
         metrics["secagg_clipped"] = secagg_clipped(updated, weight, config)
     return Message(train_reply(updated, weight, metrics), reply_to=msg)
 
 
 def secagg_clipped(arrays: dict[str, np.ndarray], weight: int, config: dict) -> int:
-    """The values Flower's secaggplus_mod will clip: it scales by min(weight / max weight, 1), then clamps to
-    +-clipping range."""
+    """The values Flower's secaggplus_mod will clip: it scales by weight / max weight (members cap it at 1), then
+    clamps to +-clipping range."""
     ratio = min(weight / float(config[SECAGG_MAX_WEIGHT]), 1.0)
     limit = float(config[SECAGG_CLIP])
     return int(sum(np.count_nonzero(np.abs(a) * ratio > limit) for a in arrays.values()))

@@ -150,3 +150,23 @@ def clip_update(
         return dict(arrays), False
     scale = clip_norm / norm
     return {k: (start[k] + (arrays[k] - start[k]) * scale).astype(np.float32) for k in arrays}, True
+
+
+def masked_weight_problem(
+    unmasked_total: int, reported: Mapping[int, int], max_weight: float, quantization_range: int, modulus: int
+) -> str | None:
+    """Why SecAgg+'s unmasked total weight disagrees with the members' weights reported in the clear (None if not).
+
+    Each member of Flower's SecAgg+ scales its update by ``q = round(num_examples / max_weight * quantization_range)``
+    and masks ``q`` with it; the server unmasks ``sum(q) mod modulus`` and divides the summed update by it. The same
+    ``q`` recomputed from each member's reported ``num_examples`` must give the same sum, exactly: a member that
+    masked another weight than it reported (or one beyond ``max_weight``, which wraps the modulus) would otherwise
+    steer the mean unseen."""
+    expected = sum(round(n / max_weight * quantization_range) for n in reported.values()) % modulus
+    if int(unmasked_total) == expected:
+        return None
+    masked = int(unmasked_total) / quantization_range * max_weight
+    return (
+        f"the members' masked weights sum to {masked:.6g} but their reported num_examples to "
+        f"{sum(reported.values())}: a member weighted its update by another num_examples than it reported"
+    )

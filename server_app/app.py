@@ -232,7 +232,7 @@ def _train_round(
             " via SecAgg+" if cfg.secure else "",
         )
     if cfg.secure:  # one SecAgg+ protocol run per group, the groups at the same time (see train_groups_secure)
-        results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, examples_per_round(cfg))
+        results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, reply_limits(cfg))
     else:
         results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, reply_limits(cfg))
     for group, result in zip(groups, results):
@@ -292,6 +292,8 @@ def _train_rows(
                 rows[nid]["robust"] = metrics["robust"]
                 rows[None]["robust_adjusted"] = rows[None].get("robust_adjusted", 0) + 1
         rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
+        if result.aggregate_rejected:  # a secure group's aggregate refused as a whole (server_app.transport)
+            rows[None].setdefault("aggregates_rejected", {})[result.name] = result.aggregate_rejected
     return rows
 
 

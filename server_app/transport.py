@@ -37,7 +37,16 @@ from common.records import (
     train_instruction,
     unpack,
 )
-from common.reply_checks import EVAL_METRICS, ReplyLimits, check_metrics, check_update, check_weight, clip_update
+from common.reply_checks import (
+    EVAL_METRICS,
+    ReplyLimits,
+    check_metrics,
+    check_update,
+    check_weight,
+    clip_update,
+    masked_weight_problem,
+)
+from server_app.secure_weights import record_unmasked_weight
 from strategies.aggregation import weighted_mean
 from strategies.base import (
     MIN_SECURE_GROUP,
@@ -159,7 +168,7 @@ def train_groups_secure(
     groups: list[Group],
     config: dict[str, Any],
     cfg: SecAggSection,
-    examples_per_round: int,
+    limits: ReplyLimits,
 ) -> list[GroupResult]:
     """``train_group_secure`` for every group, the groups concurrently (one thread each).
 
@@ -168,7 +177,7 @@ def train_groups_secure(
     replies) and each client keeps its SecAgg+ state in its own context; so members of different groups train at
     the same time instead of one group after another."""
     if len(groups) <= 1:
-        return [train_group_secure(grid, context, server_round, g, config, cfg, examples_per_round) for g in groups]
+        return [train_group_secure(grid, context, server_round, g, config, cfg, limits) for g in groups]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="secagg-group") as pool:
@@ -186,12 +195,15 @@ def train_group_secure(
     group: Group,
     config: dict[str, Any],
     cfg: SecAggSection,
-    examples_per_round: int,
+    limits: ReplyLimits,
 ) -> GroupResult:
     """The same contract as ``train_groups_plain``, for one group, through one run of Flower's SecAgg+ protocol.
 
-    Members mask their update multiplied by weight / ``max_weight(group)`` (clipped at 1); the server unmasks the
-    sum and divides by the sum of the weights, which gives the plain path's weighted mean."""
+    Members mask their update multiplied by weight / ``max_weight(group)`` (members cap it at 1); the server
+    unmasks the sum and divides by the sum of the weights, which gives the plain path's weighted mean. The server
+    cannot leave one member out after unmasking, so a member whose clear reply fails ``limits`` (metrics, a weight
+    over the cap) or whose masked weight differs from its reported one costs the group this round's aggregate
+    (the group keeps its start adapter), never the run."""
     from flwr.server import LegacyContext
     from flwr.server.workflow import SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
@@ -202,7 +214,8 @@ def train_group_secure(
         return GroupResult(group.name, None, 0.0, [], rejected={nid: why for nid in group.members})
     reference = group.reply_reference(group.members[0])  # what members send back (packed: one vector)
     # members count the values SecAgg+ will clip (it clamps silently): they need its range and this group's weight
-    clip_config = {SECAGG_CLIP: cfg.clipping_range, SECAGG_MAX_WEIGHT: max_weight(group, examples_per_round)}
+    cap = max_weight(group, limits.examples_per_round)
+    clip_config = {SECAGG_CLIP: cfg.clipping_range, SECAGG_MAX_WEIGHT: cap}
     capture = _CaptureGroup(grid, context.run_id, group, {**member_config(group, config), **clip_config})
     state = RecordDict(
         {MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()}
@@ -215,16 +228,18 @@ def train_group_secure(
     workflow = SecAggPlusWorkflow(
         num_shares=_as_share_param(cfg.num_shares),
         reconstruction_threshold=_as_share_param(cfg.reconstruction_threshold),
-        max_weight=max_weight(group, examples_per_round),
+        max_weight=cap,
         clipping_range=cfg.clipping_range,
         quantization_range=cfg.quantization_range,
         timeout=cfg.timeout,
     )
-    workflow(grid, legacy)
+    with record_unmasked_weight() as unmasked:
+        workflow(grid, legacy)
     result = GroupResult(group.name, None, 0.0, sorted(capture.metrics), metrics=capture.metrics)
     result.rejected = {nid: "dropped out of SecAgg+" for nid in group.members if nid not in capture.metrics}
     if capture.mean is not None:
         try:
+            _check_secure_replies(result, unmasked, cap, cfg, limits)
             if len(capture.mean) != 1:
                 raise ReplyError(f"{len(capture.mean)} arrays in the aggregate, expected one packed vector")
             mean = unpack(capture.mean[0], reference)
@@ -232,10 +247,40 @@ def train_group_secure(
             result.mean = {k: v.astype(np.float32) for k, v in mean.items()}
             result.total_weight = float(sum(m["num_examples"] for m in capture.metrics.values()))
         except ReplyError as err:
+            result.mean, result.contributors, result.aggregate_rejected = None, [], str(err)
             log.warning("round %d group %s: secure aggregate rejected: %s", server_round, group.name, err)
     for nid, reason in result.rejected.items():
         log.warning("round %d group %s: node %d left out: %s", server_round, group.name, nid, reason)
     return result
+
+
+def _check_secure_replies(
+    result: GroupResult, unmasked: list[int], cap: float, cfg: SecAggSection, limits: ReplyLimits
+) -> None:
+    """The clear parts of a secure group's replies held to ``limits`` (a failing member's metrics are dropped and
+    its reason recorded), then the weight SecAgg+ unmasked held to the reported ones (``masked_weight_problem``).
+    ``ReplyError`` if the aggregate cannot be used: it holds a bad member's update."""
+    reported, bad = {}, []
+    for nid, member in list(result.metrics.items()):
+        try:
+            metrics = check_metrics({k: v for k, v in member.items() if k != "num_examples"}, limits.train_metrics)
+            count, capped = check_weight(member["num_examples"], cap)
+            if capped:
+                raise ReplyError(f"num_examples {member['num_examples']} is over the group's cap {cap:g}")
+        except ReplyError as err:
+            result.metrics[nid] = {}
+            result.rejected[nid] = str(err)
+            bad.append(nid)
+            continue
+        result.metrics[nid] = {**metrics, "num_examples": count}
+        reported[nid] = count
+    if bad:
+        raise ReplyError(f"it holds the update of node(s) {', '.join(map(str, bad))}, whose replies were refused")
+    if len(unmasked) != 1:
+        raise ReplyError("SecAgg+ did not expose the unmasked total weight; the aggregate cannot be checked")
+    problem = masked_weight_problem(unmasked[0], reported, cap, cfg.quantization_range, MODULUS_RANGE)
+    if problem:
+        raise ReplyError(problem)
 
 
 def secure_group_problem(size: int, cfg: SecAggSection) -> str | None:

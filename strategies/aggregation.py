@@ -35,7 +35,7 @@ def weighted_mean(updates: Sequence[Arrays], weights: Sequence[float]) -> Arrays
 
 
 def secagg_weights(num_examples: Sequence[int], max_weight: float) -> list[float]:
-    """The weights SecAgg+ applies: num_examples / max_weight, clipped at 1 (flwr's secaggplus_mod)."""
+    """The weights SecAgg+ applies: num_examples / max_weight, at most 1 (our members cap their weight)."""
     return [min(n / max_weight, 1.0) for n in num_examples]
 
 

@@ -92,6 +92,7 @@ class GroupResult:
         contributors: node ids whose updates are inside ``mean``.
         rejected: node id -> reason, for replies that were left out.
         metrics: node id -> training metrics the client reported (loss, tokens, seconds).
+        aggregate_rejected: why a secure group's unmasked aggregate was refused as a whole (None if it was not).
     """
 
     name: str
@@ -100,6 +101,7 @@ class GroupResult:
     contributors: list[int]
     rejected: dict[int, str] = field(default_factory=dict)
     metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
+    aggregate_rejected: str | None = None
 
 
 @dataclass

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from child import run_in_child
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -13,6 +14,7 @@ from flwr.simulation import run_simulation
 
 from client_app.app import secure_aggregation_mod
 from common.config import SecAggSection
+from common.reply_checks import IDENTITY_METRICS, ReplyLimits
 from common.records import read_train_instruction, train_reply
 from server_app.transport import train_group_secure, wait_for_nodes
 from strategies.aggregation import secagg_error_bound, secagg_weights, weighted_mean
@@ -40,16 +42,31 @@ def client_update(partition_id: int, start=START, send_back=None) -> tuple[dict,
     )
 
 
-def run_secure_round(tmp_path, num_nodes: int, routed: bool = False) -> dict:
-    """One SecAgg+ round among ``num_nodes`` clients, in a child process (``tests/child.py``); what it returned."""
-    run_in_child("test_secagg", "secure_round_in_process", str(tmp_path), num_nodes, routed)
+def run_secure_round(tmp_path, num_nodes: int, routed: bool = False, liar: str = "") -> dict:
+    """One SecAgg+ round among ``num_nodes`` clients, in a child process (``tests/child.py``); what it returned.
+    ``liar``: partition 0 reports a weight in the clear other than the one it masked ("low": 1, "high": 10^9)."""
+    run_in_child("test_secagg", "secure_round_in_process", str(tmp_path), num_nodes, routed, liar)
     return json.loads((tmp_path / "result.json").read_text())
 
 
-def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool) -> None:
+def lying_mod(reported: int):
+    """Around ``secaggplus_mod``: after masking with its true weight, partition 0 reports ``reported`` instead."""
+
+    def mod(msg: Message, context: Context, call_next) -> Message:
+        reply = call_next(msg, context)
+        counts = reply.content.metric_records.get("fitres.num_examples")
+        if counts is not None and int(context.node_config["partition-id"]) == 0:
+            counts["num_examples"] = reported
+        return reply
+
+    return mod
+
+
+def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool, liar: str) -> None:
     start, send_back = (PQ_START, PQ_SEND_BACK) if routed else (START, None)
     out_file = Path(tmp_path) / "result.json"
-    client = ClientApp(mods=[secure_aggregation_mod])
+    mods = [lying_mod({"low": 1, "high": 10**9}[liar])] if liar else []
+    client = ClientApp(mods=[*mods, secure_aggregation_mod])
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:
@@ -66,13 +83,15 @@ def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool) -> None
     def main(grid: Grid, context: Context) -> None:
         nodes = wait_for_nodes(grid, num_nodes, timeout=120)
         group = Group("all", {n: start for n in nodes}, send_back, {"active-blocks": "1"} if send_back else {})
-        result = train_group_secure(grid, context, 1, group, {"server-round": 1}, SecAggSection(), MAX_WEIGHT)
+        limits = ReplyLimits(examples_per_round=int(MAX_WEIGHT), train_metrics=IDENTITY_METRICS)
+        result = train_group_secure(grid, context, 1, group, {"server-round": 1}, SecAggSection(), limits)
         out_file.write_text(
             json.dumps(
                 {
-                    "mean": {k: v.tolist() for k, v in result.mean.items()},
-                    "partitions": sorted(m["partition-id"] for m in result.metrics.values()),
-                    "examples": {str(m["partition-id"]): m["num_examples"] for m in result.metrics.values()},
+                    "mean": None if result.mean is None else {k: v.tolist() for k, v in result.mean.items()},
+                    "aggregate_rejected": result.aggregate_rejected,
+                    "partitions": sorted(m["partition-id"] for m in result.metrics.values() if m),
+                    "examples": {str(m["partition-id"]): m["num_examples"] for m in result.metrics.values() if m},
                     "rejected": result.rejected,
                 }
             )
@@ -117,6 +136,30 @@ def test_secure_routed_pq_group_mean_equals_the_plain_group_mean():
         assert np.abs(np.asarray(out["mean"][key], dtype=np.float32) - plain[key]).max() <= bound
 
 
+@pytest.mark.parametrize("liar", ["low", "high"])
+def test_a_member_reporting_another_weight_than_it_masked_costs_the_group_its_aggregate(tmp_path, liar):
+    """Partition 0 masks its update with weight 10 and reports 1 (to look small) or 10^9 (over the cap) in the
+    clear: the weight SecAgg+ unmasks disagrees, or the cap is broken, so the aggregate is refused, not used."""
+    out = run_secure_round(tmp_path, num_nodes=3, liar=liar)
+    assert out["mean"] is None and out["aggregate_rejected"], out
+    if liar == "low":
+        assert "reported num_examples" in out["aggregate_rejected"]
+    else:
+        assert "over the group's cap" in json.dumps(out["rejected"])
+
+
+def test_the_weight_check_is_exact_for_honest_members_and_catches_a_wrapped_weight():
+    from common.config import MODULUS_RANGE
+    from common.reply_checks import masked_weight_problem
+
+    q = SecAggSection().quantization_range
+    honest = {1: 10, 2: 25, 3: 40}
+    masked = sum(round(n / MAX_WEIGHT * q) for n in honest.values()) % MODULUS_RANGE
+    assert masked_weight_problem(masked, honest, MAX_WEIGHT, q, MODULUS_RANGE) is None
+    lying = sum(round(n / MAX_WEIGHT * q) for n in (10, 25, 4000)) % MODULUS_RANGE  # 4000 masked, 40 reported
+    assert "reported num_examples to 75" in (masked_weight_problem(lying, honest, MAX_WEIGHT, q, MODULUS_RANGE) or "")
+
+
 def test_members_count_the_values_secagg_will_clip():
     """SecAgg+ clamps weighted values to +-clipping-range silently; each member counts them so the round says so."""
     from client_app.handlers import secagg_clipped
@@ -126,4 +169,4 @@ def test_members_count_the_values_secagg_will_clip():
     config = {SECAGG_CLIP: 8.0, SECAGG_MAX_WEIGHT: 10.0}
     assert secagg_clipped(update, 10, config) == 3  # 9, -20, -8.1
     assert secagg_clipped(update, 5, config) == 1  # halved: only -20 -> -10
-    assert secagg_clipped(update, 50, config) == 3  # the ratio is capped at 1, as Flower does
+    assert secagg_clipped(update, 50, config) == 3  # the ratio is capped at 1, as members cap their weight
