@@ -14,8 +14,8 @@ from flwr.simulation import run_simulation
 
 from client_app.app import secure_aggregation_mod
 from common.config import SecAggSection
-from common.reply_checks import IDENTITY_METRICS, ReplyLimits
 from common.records import read_train_instruction, train_reply
+from common.reply_checks import IDENTITY_METRICS, ReplyLimits
 from server_app.transport import train_group_secure, wait_for_nodes
 from strategies.aggregation import secagg_error_bound, secagg_weights, weighted_mean
 from strategies.base import Group
