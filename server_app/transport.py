@@ -181,10 +181,7 @@ def train_groups_secure(
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="secagg-group") as pool:
-        futures = [
-            pool.submit(train_group_secure, grid, context, server_round, g, config, cfg, limits)
-            for g in groups
-        ]
+        futures = [pool.submit(train_group_secure, grid, context, server_round, g, config, cfg, limits) for g in groups]
         return [f.result() for f in futures]
 
 
