@@ -26,7 +26,7 @@ def _recording_factor_extract(parameters: Any) -> tuple[int, Any]:
     return factor, rest
 
 
-secaggplus_workflow.factor_extract = _recording_factor_extract  # type: ignore[attr-defined]
+secaggplus_workflow.factor_extract = _recording_factor_extract
 
 
 @contextmanager
