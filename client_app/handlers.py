@@ -12,7 +12,9 @@ post-processing of the update and the member's weight. Train replies use the Fit
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -117,7 +119,21 @@ def train(msg: Message, context: Context) -> Message:
         # the server refuses a group whose reported weight is over it: an honest member caps its own.
         weight = min(weight, int(float(config[SECAGG_MAX_WEIGHT])))
         metrics["secagg_clipped"] = secagg_clipped(updated, weight, config)
+    if "audit-dir" in context.node_config:
+        keep_audit_copy(Path(str(context.node_config["audit-dir"])), server_round, rt.partition_id, updated, weight)
     return Message(train_reply(updated, weight, metrics), reply_to=msg)
+
+
+def keep_audit_copy(directory: Path, server_round: int, partition_id: int, arrays: Mapping, weight: int) -> None:
+    """Node-config ``audit-dir``: the node keeps exactly what it contributes each round, in the clear, before
+    SecAgg+ masks it (``round-<r>-partition-<p>.npz``: the arrays and ``__weight__``). For the node's own audit of
+    what left it; the deployment tests use it to check the secure aggregate against the plain one."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"round-{server_round}-partition-{partition_id}.npz"
+    with open(directory / f".{target.name}.tmp", "wb") as handle:
+        saved: dict[str, Any] = {"__weight__": np.int64(weight), **{k: np.asarray(v) for k, v in arrays.items()}}
+        np.savez(handle, **saved)
+    os.replace(directory / f".{target.name}.tmp", target)
 
 
 def secagg_clipped(arrays: dict[str, np.ndarray], weight: int, config: dict) -> int:

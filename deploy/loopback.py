@@ -26,14 +26,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float = 60) -> None:
+def wait_for_port(port: int, timeout: float = 60, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
+            if sock.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.5)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
 
 
 class LoopbackFederation:
@@ -44,14 +44,17 @@ class LoopbackFederation:
         num_nodes: SuperNodes (partitions); each gets node-config ``partition-id=i num-partitions=num_nodes``.
         node_config: extra node-config for every SuperNode (e.g. ``worker="off"``).
         threads: OMP_NUM_THREADS per SuperNode (several nodes share this machine's cores).
+        hosts: names the SuperLink is reached by, besides 127.0.0.1 and localhost (its certificate's names).
     """
 
-    def __init__(self, work: Path, num_nodes: int = 3, node_config: str = "", threads: int = 1) -> None:
+    def __init__(
+        self, work: Path, num_nodes: int = 3, node_config: str = "", threads: int = 1, hosts: list[str] | None = None
+    ) -> None:
         self.work = work
         self.num_nodes = num_nodes
         self.node_config = node_config
         self.threads = threads
-        self.certs = generate(work / "certs", ["127.0.0.1", "localhost"], nodes=num_nodes)
+        self.certs = generate(work / "certs", ["127.0.0.1", "localhost", *(hosts or [])], nodes=num_nodes)
         self.home = prepare_home(work / "flwr-home")
         self.port = free_port()
         self.env = {
