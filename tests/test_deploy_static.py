@@ -314,3 +314,22 @@ def test_no_weights_data_or_keys_in_the_image_project_copy():
         "server_app/app.py",
     ]:
         assert (ROOT / path).exists() and not dockerignored(path, patterns), f"{path} is needed in the image"
+
+
+def test_only_the_fleet_gate_faces_the_nodes():
+    """Flower's Control API (start a run: code on every node) shares the SuperLink's port and has no user
+    authentication: the SuperLink is published on the host's loopback only and is not on the nodes' network; the
+    nodes dial the gate (deploy/fleet_gate.py), which passes the Fleet API only."""
+    all_services = services()
+    assert all(p.startswith("127.0.0.1:") for p in all_services["superlink"]["ports"]), all_services["superlink"]
+    gate = all_services["fleet-gate"]
+    assert argv(gate)[:3] == ["python", "-m", "deploy.fleet_gate"]
+    options, _, _ = accepted(help_text(sys.executable, "-m", "deploy.fleet_gate"))
+    given = dict(long_options(argv(gate)[3:]))
+    assert set(given) <= options and given["--superlink"].startswith("superlink:"), given
+    gate_port = given["--listen"].rsplit(":", 1)[1]
+    assert all(p.endswith(f":{gate_port}:{gate_port}") and p.startswith("${") for p in gate["ports"]), gate["ports"]
+    control = set(all_services["superlink"]["networks"])
+    for name, args in supernodes().items():
+        assert not control & set(all_services[name]["networks"]), f"{name} can reach the SuperLink directly"
+        assert dict(long_options(args[1:]))["--superlink"] == f"fleet-gate:{gate_port}", name
