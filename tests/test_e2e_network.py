@@ -17,13 +17,15 @@ import numpy as np
 import pytest
 
 from deploy.netns import GATE_PORT, Network, NetworkFederation, network_unavailable
-from strategies.aggregation import weighted_mean
+from strategies.aggregation import secagg_error_bound, weighted_mean
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2700)]
 
 NODES, ROUNDS = 4, 4
 STEP_TIMEOUT = 600
-SECAGG_TIMEOUT = 120  # how long SecAgg+ waits for a stage's replies: the cut node costs round 3 this much
+# how long SecAgg+ waits for a stage's replies, training included (2-3x its time here); the cut node costs round 3
+# this long
+SECAGG_TIMEOUT = 180
 NETWORK_PROBLEM = network_unavailable()
 
 
@@ -123,8 +125,9 @@ def test_rounds_survive_loss_a_slow_link_a_cut_cable_and_killed_processes(federa
     with np.load(run_dir / "checkpoint" / state["arrays"]) as saved:
         secure_mean = {k.split("/", 1)[1]: saved[k] for k in saved.files if k.startswith("global/")}
 
-    round3 = {r["partition_id"]: r for r in rows(run_dir) if r["round"] == 3 and r["node"] is not None}
-    assert {p for p, r in round3.items() if r.get("accepted")} == {0, 1, 2}, round3
+    round3 = [r for r in rows(run_dir) if r["round"] == 3 and r["node"] is not None]  # node 3: only its absence
+    assert {r.get("partition_id") for r in round3 if r.get("accepted")} == {0, 1, 2}, round3
+    assert "dropped out of SecAgg+" in json.dumps(aggregate(run_dir, 3)["rejected"]), aggregate(run_dir, 3)
     kept = {}
     for p in range(NODES):  # every node trained round 3 and kept what it sent (node 3's never arrived)
         with np.load(audit / f"round-3-partition-{p}.npz") as sent:
@@ -134,7 +137,8 @@ def test_rounds_survive_loss_a_slow_link_a_cut_cable_and_killed_processes(federa
     assert sorted(secure_mean) == sorted(plain)
     error = max(float(np.abs(secure_mean[k] - plain[k]).max()) for k in plain)
     distance_to_node3 = max(float(np.abs(secure_mean[k] - with_node3[k]).max()) for k in plain)
-    assert error < 1e-4 < distance_to_node3, (error, distance_to_node3)
+    tolerance = 5 * secagg_error_bound([1.0] * 3, 8.0, 2**22)  # SecAgg+'s quantisation at the default ranges
+    assert error <= tolerance < distance_to_node3, (error, tolerance, distance_to_node3)
 
     # Round 4: SuperNode 1 and then the SuperLink are killed (SIGKILL) mid-round; both restart; the run resumes.
     wait_for(
