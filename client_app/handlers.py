@@ -28,9 +28,9 @@ from common.records import (
     CONFIG,
     QUERY_INITIAL,
     QUERY_REPORT,
-    from_array_record,
     initial_reply,
     metrics_reply,
+    read_sent_adapter,
     read_train_instruction,
     report_reply,
     train_reply,
@@ -89,7 +89,7 @@ def train(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
     arrays, config = read_train_instruction(msg.content, rt.adapter.initial)
     active = _active_blocks(config)
-    rt.adapter.begin(rt.state, arrays)
+    rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     rt.adapter.prepare_training(active)
     server_round = int(config.get("server-round", 1))
     settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
@@ -105,10 +105,10 @@ def train(msg: Message, context: Context) -> Message:
     seed = rt.cfg.seed * 1000 + server_round * 97 + rt.partition_id
     metrics: dict[str, Any] = dict(train_round(rt.model, rt.tokenizer, rt.train, settings, lr, seed=seed))
     updated, adapter_metrics = rt.adapter.outgoing(active)
-    updated, strategy_metrics = rt.strategy.outgoing(rt, updated, active)
     if not math.isfinite(metrics["train_loss"]) or not all(np.all(np.isfinite(a)) for a in updated.values()):
-        # Never send (or mask, under SecAgg+) a diverged update: the error makes the server leave this node out.
+        # Never send (or mask, under SecAgg+, or keep) a diverged update: the error makes the server leave it out.
         raise RuntimeError(f"partition {rt.partition_id}: training diverged (loss {metrics['train_loss']})")
+    updated, strategy_metrics = rt.strategy.outgoing(rt, updated, active)
     rt.adapter.end(rt.state)
     metrics.update(adapter_metrics)
     metrics.update(strategy_metrics)
@@ -146,8 +146,8 @@ def secagg_clipped(arrays: dict[str, np.ndarray], weight: int, config: dict) -> 
 
 def evaluate_handler(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
-    arrays = from_array_record(msg.content.array_records[ARRAYS], rt.adapter.initial)
-    rt.adapter.begin(rt.state, arrays)
+    arrays = read_sent_adapter(msg.content.array_records[ARRAYS], rt.adapter.initial)
+    rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train))
     config = msg.content.config_records[CONFIG] if CONFIG in msg.content else {}
     server_round = _config_int(config, "server-round", -1)
@@ -161,8 +161,8 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
         metrics["rouge_l"],
     )
     rt.adapter.end(rt.state)  # keep the newest received part (kinds with client state)
-    if server_round == rt.cfg.num_server_rounds:  # the client's own copy, where the kind keeps parts the server lacks
-        out = rt.adapter.save(rt.cfg.run_path() / "client-adapters" / f"partition-{rt.partition_id}", rt.model_name)
+    if server_round == rt.cfg.num_server_rounds:  # the client's own copy, where the server's lacks parts
+        out = rt.strategy.save(rt, rt.cfg.run_path() / "client-adapters" / f"partition-{rt.partition_id}")
         if out is not None:
             metrics["adapter_dir"] = str(out)
     metrics.update(rt.identity())

@@ -126,20 +126,21 @@ def get_runtime(context: Context) -> ClientRuntime:
     # A node's own setting wins; else the run's per-partition list; else the run's model.
     model_name = str(context.node_config.get("model", cfg.model_for_partition(partition_id)))
     loaded = load_model(model_name, cfg, context.run_id)
-    adapter = loaded.attach(adapter_kind(spec.adapter), cfg)
+    adapter = loaded.attach(adapter_kind(spec.adapter_for(cfg)), cfg)
     data_key = (cfg.data.model_dump_json(), partition_id, num_partitions, cfg.seed)
     if data_key not in _DATA:
         _DATA[data_key] = client_data(cfg.data, partition_id, num_partitions, cfg.seed)
     train, test = _DATA[data_key]
     if _startup["began"]:
         _startup["ready"] = time.perf_counter() - _startup["began"]
-    state = ClientState(context.state, spec.state_keys())
+    state = ClientState(context.state, spec.state_keys(cfg))
     return ClientRuntime(cfg, loaded, adapter, spec.client(cfg), state, partition_id, context.run_id, train, test)
 
 
 def declared_state_keys(context: Context) -> tuple[str, ...]:
     """The client-state keys the run's adapter kind and strategy keep (what a node's model worker carries back)."""
-    return strategy_spec(RunConfig.from_flat(dict(context.run_config)).strategy).state_keys()
+    cfg = RunConfig.from_flat(dict(context.run_config))
+    return strategy_spec(cfg.strategy).state_keys(cfg)
 
 
 def load_model(name: str, cfg: RunConfig, run_id: int) -> LoadedModel:

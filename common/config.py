@@ -97,9 +97,20 @@ class DataSection(Section):
     dirichlet_alpha: float = Field(0.5, gt=0)
     max_examples_per_task: int = Field(400, ge=10)
     test_fraction: float = Field(0.2, gt=0, lt=1)
+    # > 0: this share of each client's training examples is set aside as a validation split (never trained on), so
+    # that settings can be tuned on it (eval-split = "validation") and reported on the test split with the SAME
+    # training data (eval-split = "test")
+    validation_fraction: float = Field(0.0, ge=0, lt=1)
+    eval_split: Literal["test", "validation"] = "test"  # the held-out split federated evaluation reports
     max_prompt_chars: int = Field(400, ge=64)
 
     _csv = field_validator("tasks", mode="before")(split_csv)
+
+    @model_validator(mode="after")
+    def _validation_split_exists(self) -> DataSection:
+        if self.eval_split == "validation" and self.validation_fraction == 0:
+            raise ValueError("data.eval-split: 'validation' needs data.validation-fraction > 0")
+        return self
 
     @model_validator(mode="after")
     def _tasks_and_source_exist(self) -> DataSection:
@@ -232,7 +243,7 @@ class RunConfig(Section):
         """The adapter kind this run's strategy trains (``common.adapters.ADAPTER_KINDS``)."""
         from strategies.registry import strategy_spec
 
-        return strategy_spec(self.strategy).adapter
+        return strategy_spec(self.strategy).adapter_for(self)
 
     def train_settings(self) -> TrainSection:
         """The local-training settings for this run's adapter (e.g. PQ-LoRA has its own learning rate)."""
@@ -287,7 +298,7 @@ class RunConfig(Section):
         cfg._sections = sections
         try:
             spec = strategy_spec(cfg.strategy)
-            for kind in spec.sections():
+            for kind in spec.sections(cfg):
                 cfg.section(kind).check(cfg)
         except ValueError as err:
             raise ConfigError(_describe([{"msg": str(err), "loc": (), "type": "value_error"}])) from None

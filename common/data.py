@@ -151,11 +151,18 @@ def train_test_split(
 def client_data(
     cfg: DataSection, partition_id: int, num_partitions: int, seed: int
 ) -> tuple[list[Example], list[Example]]:
-    """The (train, test) examples of one client."""
+    """The (train, held-out) examples of one client: held-out is its test split, or with ``data.eval-split =
+    "validation"`` its validation split (carved from the training examples when ``data.validation-fraction`` > 0,
+    so the training examples are the same whichever split is evaluated)."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
     bank = load_task_bank(cfg, seed)
     parts = partition(bank, num_partitions, cfg, seed)
-    if len(parts[partition_id]) < 2:
-        raise ValueError(f"partition {partition_id} has {len(parts[partition_id])} examples; need at least 2")
-    return train_test_split(parts[partition_id], cfg.test_fraction, seed + partition_id)
+    needed = 3 if cfg.validation_fraction > 0 else 2
+    if len(parts[partition_id]) < needed:
+        raise ValueError(f"partition {partition_id} has {len(parts[partition_id])} examples; need at least {needed}")
+    train, test = train_test_split(parts[partition_id], cfg.test_fraction, seed + partition_id)
+    if cfg.validation_fraction == 0:
+        return train, test
+    train, validation = train_test_split(train, cfg.validation_fraction, seed + partition_id + 7919)
+    return train, validation if cfg.eval_split == "validation" else test

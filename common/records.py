@@ -65,8 +65,9 @@ def unpack(vector: np.ndarray, reference: dict[str, np.ndarray]) -> dict[str, np
 
 
 def to_array_record(arrays: dict[str, np.ndarray], packed: bool = False) -> ArrayRecord:
-    """Named arrays, or with ``packed`` one vector under ``packed:<layout digest>`` (see the module docstring)."""
-    if packed:
+    """Named arrays, or with ``packed`` one vector under ``packed:<layout digest>`` (see the module docstring); no
+    arrays (a strategy that sends none): an empty record."""
+    if packed and arrays:
         return ArrayRecord({f"{PACKED}:{layout_digest(arrays)}": Array(pack(arrays))})
     # np.require keeps 0-d arrays (scalars such as a gate) 0-d; np.ascontiguousarray would make them (1,).
     return ArrayRecord({k: Array(np.require(arrays[k], dtype=np.float32, requirements="C")) for k in sorted(arrays)})
@@ -104,11 +105,17 @@ def train_instruction(arrays: dict[str, np.ndarray], config: dict[str, Any]) -> 
     return RecordDict({FITINS_ARRAYS: to_array_record(arrays, packed=True), FITINS_CONFIG: ConfigRecord(config)})
 
 
+def read_sent_adapter(record: ArrayRecord, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """The adapter the server sent (as ``reference``'s names and shapes), or None when it sent none (a strategy
+    whose clients keep their own, e.g. local-only training)."""
+    return from_array_record(record, reference) if len(record) else None
+
+
 def read_train_instruction(
     content: RecordDict, reference: dict[str, np.ndarray]
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The start adapter (as ``reference``'s names and shapes) and the config of a train instruction."""
-    return from_array_record(content.array_records[FITINS_ARRAYS], reference), dict(
+) -> tuple[dict[str, np.ndarray] | None, dict[str, Any]]:
+    """The start adapter (``read_sent_adapter``) and the config of a train instruction."""
+    return read_sent_adapter(content.array_records[FITINS_ARRAYS], reference), dict(
         content.config_records[FITINS_CONFIG]
     )
 

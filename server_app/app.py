@@ -56,6 +56,8 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         )
     strategy = strategy_spec(cfg.strategy).server.from_config(cfg)
     node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.node_wait_timeout)
+    if cfg.secure and not strategy.aggregates:
+        log.info("secure=true: strategy %s sends the server no adapter, so SecAgg+ has nothing to mask", cfg.strategy)
     log.info(
         "strategy=%s secure=%s rounds=%d nodes=%s run-dir=%s",
         cfg.strategy,
@@ -229,9 +231,9 @@ def _train_round(
             server_round,
             group.name,
             len(group.members),
-            " via SecAgg+" if cfg.secure else "",
+            " via SecAgg+" if cfg.secure and strategy.aggregates else "",
         )
-    if cfg.secure:  # one SecAgg+ protocol run per group, the groups at the same time (see train_groups_secure)
+    if cfg.secure and strategy.aggregates:  # one SecAgg+ run per group, the groups at once (train_groups_secure)
         results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, reply_limits(cfg))
     else:
         results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, reply_limits(cfg))

@@ -127,10 +127,13 @@ class Strategy(ABC):
         wants_reports: True if the ServerApp must ask every client for a report each round, before training.
         reply_metrics: train-reply metrics the client half adds, copied into the per-node rows of metrics.jsonl
             (name -> element type of a list metric, or None for a number).
+        aggregates: False for a strategy whose groups send the server no adapter (local-only training): its
+            rounds take the plain transport in secure mode too, as there is nothing for SecAgg+ to mask.
     """
 
     name: ClassVar[str] = "abstract"
     wants_reports: ClassVar[bool] = False
+    aggregates: ClassVar[bool] = True
     reply_metrics: ClassVar[dict[str, type | None]] = {}
 
     @classmethod

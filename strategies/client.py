@@ -8,6 +8,7 @@ it declares. This base is the client half of a strategy that adds nothing (FedAv
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .base import WEIGHT_BY_EXAMPLES, WEIGHT_EQUALLY, Arrays
@@ -31,6 +32,10 @@ class StrategyClient:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
+    def start(self, rt: ClientRuntime, received: Arrays | None) -> Arrays | None:
+        """What the adapter starts this message from, given what the server sent (None: nothing); default: that."""
+        return received
+
     def report(self, rt: ClientRuntime, state: ClientState, server_round: int) -> tuple[Arrays, dict[str, Any]]:
         """This round's report (arrays and metrics) for a server half with ``wants_reports``."""
         raise ValueError(f"strategy '{self.cfg.strategy}' sends no reports")
@@ -46,3 +51,7 @@ class StrategyClient:
         if weight_by == WEIGHT_EQUALLY:
             return 1
         raise ValueError(f"weight-by: '{weight_by}' is not a weighting strategy '{self.cfg.strategy}' knows")
+
+    def save(self, rt: ClientRuntime, out_dir: Path) -> Path | None:
+        """The client's own copy of its final adapter, where the server's lacks parts (default: the kind decides)."""
+        return rt.adapter.save(out_dir, rt.model_name)

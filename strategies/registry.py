@@ -7,6 +7,7 @@ through ``strategy_spec``. Adding a strategy is one package under ``strategies/`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from .base import Strategy
 from .client import StrategyClient
 
 if TYPE_CHECKING:
-    from common.config import Section
+    from common.config import RunConfig, Section
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class StrategySpec:
         client: the client half (``StrategyClient`` subclass).
         adapter: the adapter kind its clients train (a key of ``common.adapters.ADAPTER_KINDS``).
         section: its run-config section (``section.key`` is the prefix of its keys), or None.
+        adapter_from: for a strategy that trains any kind (the local-only baseline), the kind a run config picks;
+            None: always ``adapter``.
     """
 
     name: str
@@ -34,19 +37,24 @@ class StrategySpec:
     client: type[StrategyClient]
     adapter: str
     section: type[Section] | None = None
+    adapter_from: Callable[[RunConfig], str] | None = None
 
-    def sections(self) -> list[type[Section]]:
+    def adapter_for(self, cfg: RunConfig) -> str:
+        """The adapter kind a run of this strategy trains."""
+        return self.adapter if self.adapter_from is None else self.adapter_from(cfg)
+
+    def sections(self, cfg: RunConfig) -> list[type[Section]]:
         """The config sections a run of this strategy reads beyond the core: its adapter kind's and its own."""
         from common.adapters import adapter_kind
 
         own = [self.section] if self.section is not None else []
-        return [adapter_kind(self.adapter).section, *own]
+        return [adapter_kind(self.adapter_for(cfg)).section, *own]
 
-    def state_keys(self) -> tuple[str, ...]:
+    def state_keys(self, cfg: RunConfig) -> tuple[str, ...]:
         """Every client-state key a client of this strategy keeps (adapter kind's + client half's)."""
         from common.adapters import adapter_kind
 
-        return (*adapter_kind(self.adapter).state_keys, *self.client.state_keys)
+        return (*adapter_kind(self.adapter_for(cfg)).state_keys, *self.client.state_keys)
 
 
 REGISTRY: dict[str, StrategySpec] = {}
@@ -96,9 +104,10 @@ def config_sections() -> dict[str, type[Section]]:
 
 def _register_builtin() -> None:
     from .fedavg import SPEC as FEDAVG
+    from .local import SPEC as LOCAL
     from .simgrad import SPEC as SIMGRAD
 
-    for spec in (FEDAVG, SIMGRAD):
+    for spec in (FEDAVG, SIMGRAD, LOCAL):
         register(spec)
 
 

@@ -35,9 +35,10 @@ class LoraAdapter:
         return f"{cfg.section(LoraSection).model_dump_json()} seed={cfg.seed}"
 
     def begin(self, state: ClientState, received: Arrays | None) -> None:
-        if received is not None:
-            set_adapter_arrays(self.model, received)
-            self._received = received
+        if received is None:  # the shared model holds whichever client ran last: never train from that
+            raise ValueError("LoRA keeps nothing between messages: the server (or the strategy) must give the adapter")
+        set_adapter_arrays(self.model, received)
+        self._received = received
 
     def prepare_training(self, active: list[int] | None) -> None:
         """LoRA has no routing: every weight trains."""

@@ -1,0 +1,2 @@
+"""Benchmarks and the strategy comparison (``python -m bench.compare``). Speed is measured here, never asserted in
+tests."""

@@ -1,0 +1,320 @@
+"""Compare strategies on the same clients, partition and budget, over seeds, through the real `flwr run . local`.
+
+    python -m bench.compare --strategies fedavg,simgrad,local --seeds 0,1,2 --preset tasks-distinct --out DIR
+
+Every flag is optional (the preset's values by default). ``--strategies`` items are ``name`` or
+``name:key=value key=value`` (run-config overrides for that strategy only, e.g. ``simgrad:pqlora.learning-rate=0.02``;
+commas inside quotes are kept); ``--run-config`` adds overrides for every run. Writes to ``--out``:
+``compare.json`` (per strategy, seed, client and round: held-out loss, EM, ROUGE-L, bytes up/down, seconds),
+``compare.md`` (mean ± spread over seeds per strategy, negative transfer against ``local``, the best per column in
+bold) and ``compare.png``. A run whose directory already holds a complete run with the same settings is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.presets import PRESETS, Preset, preset, toml_value
+from bench.report import markdown_table, per_client_table, summarise, worst_by_round
+
+ROW_KEYS = ("eval_loss", "exact_match", "rouge_l", "bytes_up", "bytes_down")
+
+
+def split_outside_quotes(text: str, sep: str = ",") -> list[str]:
+    """``text`` split at ``sep`` where it is not inside single or double quotes; empty items dropped."""
+    items, current, quote = [], "", ""
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == sep:
+            items.append(current)
+            current = ""
+            continue
+        current += char
+    items.append(current)
+    return [item.strip() for item in items if item.strip()]
+
+
+def parse_strategy(item: str) -> tuple[str, str, str]:
+    """``name[:overrides]`` -> (label, registered name, overrides); the name must be registered."""
+    from strategies import REGISTRY
+
+    name, _, overrides = item.partition(":")
+    name = name.strip()
+    if name not in REGISTRY:
+        raise SystemExit(f"--strategies: '{name}' is not a registered strategy (registered: {', '.join(REGISTRY)})")
+    return item.strip(), name, overrides.strip()
+
+
+def parse_overrides(text: str, flag: str) -> dict[str, Any]:
+    """``k=v k=v`` as ``flwr run --run-config`` reads it (SystemExit naming ``flag`` if it cannot)."""
+    from flwr.common.config import parse_config_args
+
+    try:
+        return parse_config_args([text]) if text.strip() else {}
+    except Exception as err:  # click's exception carries Flower's explanation of the format
+        raise SystemExit(f"{flag}: cannot read {text!r}: {getattr(err, 'message', err)}") from None
+
+
+def run_config(chosen: Preset, rounds: int, seed: int, name: str, overrides: str, extra: str, run_dir: Path) -> str:
+    """The ``--run-config`` string of one run: the preset's values, then the common and the strategy's overrides
+    (later ones win; Flower refuses a key given twice)."""
+    values = {
+        **chosen.overrides,
+        "strategy": name,
+        "seed": seed,
+        "num-server-rounds": rounds,
+        **parse_overrides(extra, "--run-config"),
+        **parse_overrides(overrides, f"--strategies ({name})"),
+        "run-dir": str(run_dir),
+    }
+    return " ".join(f"{k}={toml_value(v)}" for k, v in values.items())
+
+
+def read_run(metrics_path: Path, label: str, seed: int) -> list[dict[str, Any]]:
+    """The comparison rows of one finished run (one per client and round) from its metrics.jsonl."""
+    rows = []
+    seconds: dict[int, float] = {}
+    for line in metrics_path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if row["node"] is None:
+            seconds[row["round"]] = row["seconds"]
+        elif row.get("partition_id") is not None:
+            rows.append(
+                {
+                    "strategy": label,
+                    "seed": seed,
+                    "client": row["partition_id"],
+                    "round": row["round"],
+                    "tasks": row.get("tasks"),
+                    "model": row.get("model"),
+                    **{k: row.get(k) for k in ROW_KEYS},
+                }
+            )
+    for row in rows:
+        row["seconds"] = seconds.get(row["round"])
+    return rows
+
+
+def complete(run_dir: Path, config: str, rounds: int) -> bool:
+    """Whether ``run_dir`` already holds this exact run, finished."""
+    marker, metrics = run_dir / "compare-run.json", run_dir / "metrics.jsonl"
+    if not (marker.exists() and metrics.exists()):
+        return False
+    recorded = json.loads(marker.read_text())
+    return recorded.get("run_config") == config and recorded.get("ok", False)
+
+
+def machine() -> dict[str, Any]:
+    """What the comparison ran on (timings are only comparable on the same)."""
+    model = platform.processor()
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            info = handle.read()
+        model = re.search(r"model name\s*:\s*(.+)", info).group(1)  # type: ignore[union-attr]
+        flags = re.search(r"flags\s*:\s*(.+)", info).group(1)  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        pass
+    import torch
+
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "avx512_bf16": "avx512_bf16" in flags.split(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    """``compare.json``, ``compare.md`` and ``compare.png`` from the collected rows."""
+    rows = report["rows"]
+    labels = [s["label"] for s in report["strategies"]]
+    baseline = report["baseline"] if report["baseline"] in labels else None
+    walls = {(r["strategy"], r["seed"]): r["wall_seconds"] for r in report["runs"] if r.get("ok")}
+    summaries = summarise(rows, baseline, walls)
+    (out / "compare.json").write_text(json.dumps(report, indent=1))
+    m = report["machine"]
+    failed = [f"{r['strategy']} seed {r['seed']}: {r['error']}" for r in report["runs"] if not r.get("ok")]
+    text = [
+        f"# Comparison: preset `{report['preset']}`",
+        "",
+        report["about"],
+        "",
+        f"Budget: {report['clients']} clients, {report['rounds']} rounds; seeds {report['seeds']}. Run config: "
+        f"`{report['common_config']}`.",
+        f"Machine: {m['cpu']}, {m['cores']} cores, AVX512-BF16 {m['avx512_bf16']}, CUDA {m['cuda']}.",
+        "",
+        "Final held-out loss (lower is better) and the rest, mean ± spread (sample std) over seeds; best per column "
+        "in bold. 'worst vs local': worst-client loss minus the baseline's worst, same seed (< 0: better than "
+        "training alone). 'clients hurt' / 'mean harm': clients whose loss is above their baseline loss, and by "
+        f"how much. Baseline: `{report['baseline']}`.",
+        "",
+        markdown_table(summaries),
+        "",
+        "Per client (final held-out loss):",
+        "",
+        per_client_table(rows),
+        "",
+    ]
+    if failed:
+        text += ["Failed runs:", "", *[f"- {f}" for f in failed], ""]
+    (out / "compare.md").write_text("\n".join(text))
+    plot(rows, out / "compare.png")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Left: final loss per client by strategy (mean over seeds, spread as error bars). Right: worst-client loss per
+    round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from bench.report import client_metric, final_round, over_seeds, strategies_in
+
+    strategies = strategies_in(rows)
+    clients = sorted({r["client"] for r in rows})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(strategies), 1)
+    for i, strategy in enumerate(strategies):
+        mine = [r for r in rows if r["strategy"] == strategy]
+        seeds = sorted({r["seed"] for r in mine})
+        finals = [
+            client_metric(mine, strategy, s, final_round([r for r in mine if r["seed"] == s]), "eval_loss")
+            for s in seeds
+        ]
+        stats = [over_seeds(f.get(c, float("nan")) for f in finals) for c in clients]
+        left.bar(
+            np.arange(len(clients)) + i * width,
+            [s.mean for s in stats],
+            width,
+            yerr=[s.spread for s in stats],
+            label=strategy,
+        )
+        by_round = worst_by_round(rows, strategy)
+        rounds = sorted(by_round)
+        right.errorbar(
+            rounds, [by_round[r].mean for r in rounds], yerr=[by_round[r].spread for r in rounds], label=strategy
+        )
+    left.set_xticks(np.arange(len(clients)) + 0.4 - width / 2, [f"client {c}" for c in clients])
+    left.set_ylabel("final held-out loss")
+    left.set_title("per client")
+    right.set_xlabel("round")
+    right.set_ylabel("worst client's held-out loss")
+    right.set_title("worst client per round")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", default="fedavg,simgrad,local")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--preset", default="tasks-distinct", choices=sorted(PRESETS))
+    parser.add_argument("--clients", type=int, help="simulated clients (default: the preset's)")
+    parser.add_argument("--rounds", type=int, help="server rounds (default: the preset's)")
+    parser.add_argument("--run-config", default="", help="more run-config overrides for every run ('k=v k=v')")
+    parser.add_argument("--out", default="runs/compare", help="the report directory")
+    parser.add_argument("--timeout", type=float, default=7200, help="seconds one run may take")
+    parser.add_argument("--baseline", default="local", help="the --strategies item negative transfer is against")
+    args = parser.parse_args(argv)
+
+    from deploy.local_sim import flwr_run, prepare_home, stop_superlink
+
+    chosen = preset(args.preset)
+    clients, rounds = args.clients or chosen.clients, args.rounds or chosen.rounds
+    seeds = [int(s) for s in split_outside_quotes(args.seeds)]
+    strategies = [parse_strategy(item) for item in split_outside_quotes(args.strategies)]
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    home = prepare_home(out / "flwr-home")
+    report: dict[str, Any] = {
+        "preset": chosen.name,
+        "about": chosen.about,
+        "clients": clients,
+        "rounds": rounds,
+        "seeds": seeds,
+        "baseline": args.baseline,
+        "common_config": " ".join(f"{k}={toml_value(v)}" for k, v in chosen.overrides.items()) + f" {args.run_config}",
+        "strategies": [{"label": label, "name": name, "overrides": extra} for label, name, extra in strategies],
+        "machine": machine(),
+        "runs": [],
+        "rows": [],
+    }
+    total = len(strategies) * len(seeds)
+    try:
+        for i, ((label, name, extra), seed) in enumerate(((s, seed) for s in strategies for seed in seeds), 1):
+            run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label) / f"seed-{seed}"
+            config = run_config(chosen, rounds, seed, name, extra, args.run_config, run_dir)
+            run: dict[str, Any] = {"strategy": label, "seed": seed, "run_dir": str(run_dir), "run_config": config}
+            marker = run_dir / "compare-run.json"
+            if complete(run_dir, config, rounds):
+                run.update(json.loads(marker.read_text()), reused=True)
+            else:
+                started = time.perf_counter()
+                proc = flwr_run(home, config, num_clients=clients, timeout=args.timeout)
+                run["wall_seconds"] = time.perf_counter() - started
+                why = run_problem(run_dir / "metrics.jsonl", rounds, clients)
+                run["ok"] = proc.returncode == 0 and why is None
+                run["error"] = None if run["ok"] else f"exit {proc.returncode}: {why}; log tail: {proc.stdout[-600:]}"
+                if run["ok"]:
+                    marker.write_text(json.dumps({k: run[k] for k in ("run_config", "wall_seconds", "ok", "error")}))
+                (out / "logs").mkdir(exist_ok=True)
+                (out / "logs" / f"{run_dir.parent.name}-seed-{seed}.log").write_text(proc.stdout + proc.stderr)
+            rows = read_run(run_dir / "metrics.jsonl", label, seed) if run.get("ok") else []
+            report["rows"] += rows
+            report["runs"].append(run)
+            print(progress_line(i, total, run, rows, rounds), flush=True)
+            write_report(out, report)  # after every run: a long comparison can be read while it goes on
+    finally:
+        stop_superlink(home)
+    print(f"[compare] report: {out / 'compare.md'}", flush=True)
+    return report
+
+
+def run_problem(metrics_path: Path, rounds: int, clients: int) -> str | None:
+    """Why a run that exited cannot be compared (None if it can): it must reach its last round with a held-out
+    loss for every client at round 0 and at the end (an exit code of 0 alone proves nothing)."""
+    if not metrics_path.exists():
+        return "no metrics.jsonl"
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    for rnd in (0, rounds):
+        losses = [r for r in rows if r["round"] == rnd and r["node"] is not None and r.get("eval_loss") is not None]
+        if len(losses) < clients:
+            errors = {str(r.get("eval_error")) for r in rows if r["round"] == rnd and r.get("eval_error")}
+            return f"round {rnd}: {len(losses)} of {clients} clients have a held-out loss {sorted(errors)[:2]}"
+    return None
+
+
+def progress_line(i: int, total: int, run: dict[str, Any], rows: list[dict[str, Any]], rounds: int) -> str:
+    head = f"[compare] {i}/{total} {run['strategy']} seed {run['seed']}:"
+    if not run.get("ok"):
+        return f"{head} FAILED ({(run.get('error') or '')[:200]})"
+    final = [r["eval_loss"] for r in rows if r["round"] == rounds and r["eval_loss"] is not None]
+    first = [r["eval_loss"] for r in rows if r["round"] == 0 and r["eval_loss"] is not None]
+    how = "reused" if run.get("reused") else f"{run['wall_seconds']:.0f} s"
+    return (
+        f"{head} {how}; mean client loss {sum(first) / len(first):.3f} -> {sum(final) / len(final):.3f}, "
+        f"worst {max(final):.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

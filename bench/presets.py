@@ -1,0 +1,103 @@
+"""Named comparison scenarios: each a client count, a round budget and a few run-config overrides.
+
+Every preset keeps a validation split (``data.validation-fraction``) so that settings are tuned on it
+(``data.eval-split='validation'``) and reported on the test split with the same training examples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.assets import QWEN_CODER_ALIAS, SMOLLM2_ALIAS
+
+Value = str | int | float | bool
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A comparison scenario.
+
+    Attributes:
+        name: what ``--preset`` calls it.
+        about: what it tests and what to expect.
+        clients: simulated clients (partition i of ``clients``).
+        rounds: server rounds.
+        overrides: run-config values (``key -> value``) on top of pyproject.toml's.
+    """
+
+    name: str
+    about: str
+    clients: int
+    rounds: int
+    overrides: dict[str, Value] = field(default_factory=dict)
+
+
+# The budget every preset shares: 8 local steps of 2 examples per round, cosine-decayed over the rounds. Evaluation
+# reads 8 held-out examples per client and generates up to 12 tokens (EM and ROUGE-L).
+_BUDGET: dict[str, Value] = {
+    "train.local-steps": 8,
+    "eval.max-examples": 8,
+    "eval.max-new-tokens": 12,
+    "data.validation-fraction": 0.2,
+    "min-train-replies": 2,
+}
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "tasks-distinct",
+            "4 clients, one task family each (math word problems, reading QA, summarisation, commonsense QA): "
+            "nothing to share, so averaging everyone's adapter can hurt (negative transfer for FedAvg).",
+            clients=4,
+            rounds=3,
+            overrides={**_BUDGET, "data.tasks": "asdiv,boolq,xsum,commonsenseqa", "data.partitioning": "by-task"},
+        ),
+        Preset(
+            "tasks-shared-few-shot",
+            "4 clients, two per task (BoolQ, CommonsenseQA), 40 examples per client: alone each overfits its few "
+            "examples; its task partner should help.",
+            clients=4,
+            rounds=3,
+            overrides={
+                **_BUDGET,
+                "data.tasks": "boolq,commonsenseqa",
+                "data.partitioning": "by-task",
+                "data.max-examples-per-task": 80,
+                "data.test-fraction": 0.25,
+            },
+        ),
+        Preset(
+            "models-mixed",
+            f"4 clients, {SMOLLM2_ALIAS} and {QWEN_CODER_ALIAS}, each task (BoolQ, CommonsenseQA) on one client of "
+            "each model: FedAvg can only average within a model family (across tasks); SimGrad can share across "
+            "models within a task.",
+            clients=4,
+            rounds=3,
+            overrides={
+                **_BUDGET,
+                "data.tasks": "boolq,commonsenseqa",
+                "data.partitioning": "by-task",
+                "model.partition-models": f"{SMOLLM2_ALIAS},{SMOLLM2_ALIAS},{QWEN_CODER_ALIAS},{QWEN_CODER_ALIAS}",
+            },
+        ),
+    )
+}
+
+
+def preset(name: str) -> Preset:
+    """The preset called ``name`` (ValueError listing the presets otherwise)."""
+    if name not in PRESETS:
+        raise ValueError(f"--preset: '{name}' is not a preset (have {', '.join(PRESETS)})")
+    return PRESETS[name]
+
+
+def toml_value(value: Value) -> str:
+    """A run-config value as ``flwr run --run-config`` reads it (strings quoted, booleans lower case)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        if "'" in value:
+            raise ValueError(f"run-config value {value!r}: a single quote cannot be passed to flwr run")
+        return f"'{value}'"
+    return repr(value)

@@ -1,0 +1,207 @@
+"""The comparison's report math, as pure functions over flat rows (one per strategy, seed, client and round).
+
+A row: ``{"strategy", "seed", "client", "round", "eval_loss", "exact_match", "rouge_l", "bytes_up", "bytes_down",
+"seconds"}`` (``seconds``: the round's wall time). A strategy is compared on its final round; "negative transfer"
+pairs each client with itself under the baseline (local-only training) and the same seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+Row = dict
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A value over seeds: its mean and its spread (sample standard deviation; 0 for a single seed)."""
+
+    mean: float
+    spread: float
+    n: int
+
+    def __str__(self) -> str:
+        return "n/a" if self.n == 0 else f"{self.mean:.3f} ± {self.spread:.3f}"
+
+
+def over_seeds(values: Iterable[float]) -> Spread:
+    """Mean and sample standard deviation of the per-seed values (NaNs are left out)."""
+    kept = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if not kept:
+        return Spread(math.nan, math.nan, 0)
+    mean = sum(kept) / len(kept)
+    if len(kept) == 1:
+        return Spread(mean, 0.0, 1)
+    return Spread(mean, math.sqrt(sum((v - mean) ** 2 for v in kept) / (len(kept) - 1)), len(kept))
+
+
+def final_round(rows: Sequence[Row]) -> int:
+    return max(r["round"] for r in rows)
+
+
+def client_metric(rows: Sequence[Row], strategy: str, seed: int, server_round: int, key: str) -> dict[int, float]:
+    """``key`` per client of one run at one round (clients without a value are left out)."""
+    return {
+        r["client"]: float(r[key])
+        for r in rows
+        if r["strategy"] == strategy and r["seed"] == seed and r["round"] == server_round and r.get(key) is not None
+    }
+
+
+def worst(values: dict[int, float]) -> float:
+    """The worst client's loss (the highest)."""
+    return max(values.values()) if values else math.nan
+
+
+def negative_transfer(strategy_loss: dict[int, float], baseline_loss: dict[int, float]) -> dict[int, float]:
+    """Per client present in both: strategy loss minus baseline loss (> 0: the strategy hurt that client)."""
+    return {c: strategy_loss[c] - baseline_loss[c] for c in sorted(strategy_loss) if c in baseline_loss}
+
+
+def hurt(transfer: dict[int, float]) -> tuple[int, float]:
+    """How many clients a strategy hurt, and by how much on average (0 when it hurt none)."""
+    harmed = [d for d in transfer.values() if d > 0]
+    return len(harmed), (sum(harmed) / len(harmed) if harmed else 0.0)
+
+
+@dataclass(frozen=True)
+class StrategySummary:
+    """One strategy's columns of the report, each over seeds."""
+
+    strategy: str
+    seeds: list[int]
+    mean_loss: Spread
+    worst_loss: Spread
+    worst_vs_baseline: Spread  # worst-client loss minus the baseline's (same seed): < 0 beats it
+    hurt_count: Spread
+    hurt_size: Spread
+    exact_match: Spread
+    rouge_l: Spread
+    bytes_per_round: Spread  # per client, up + down, averaged over training rounds
+    wall_seconds: Spread
+
+
+def strategies_in(rows: Sequence[Row]) -> list[str]:
+    return list(dict.fromkeys(r["strategy"] for r in rows))
+
+
+def summarise(
+    rows: Sequence[Row], baseline: str | None, wall_seconds: dict[tuple[str, int], float] | None = None
+) -> list[StrategySummary]:
+    """Every strategy's summary; ``baseline`` names the local-only strategy (None: no transfer columns)."""
+    out = []
+    for strategy in strategies_in(rows):
+        mine = [r for r in rows if r["strategy"] == strategy]
+        seeds = sorted({r["seed"] for r in mine})
+        per: dict[str, list[float]] = {k: [] for k in ("mean", "worst", "gap", "count", "size", "em", "rl", "bytes")}
+        for seed in seeds:
+            run = [r for r in mine if r["seed"] == seed]
+            last = final_round(run)
+            loss = client_metric(run, strategy, seed, last, "eval_loss")
+            per["mean"].append(sum(loss.values()) / len(loss) if loss else math.nan)
+            per["worst"].append(worst(loss))
+            for key, name in (("em", "exact_match"), ("rl", "rouge_l")):
+                values = client_metric(run, strategy, seed, last, name)
+                per[key].append(sum(values.values()) / len(values) if values else math.nan)
+            trained = [r for r in run if r["round"] > 0]
+            if trained:
+                per["bytes"].append(sum(r["bytes_up"] + r["bytes_down"] for r in trained) / len(trained))
+            if baseline is not None and strategy != baseline:
+                base_rows = [r for r in rows if r["strategy"] == baseline and r["seed"] == seed]
+                if base_rows:
+                    base = client_metric(base_rows, baseline, seed, final_round(base_rows), "eval_loss")
+                    count, size = hurt(negative_transfer(loss, base))
+                    per["count"].append(count)
+                    per["size"].append(size)
+                    per["gap"].append(worst(loss) - worst(base))
+        walls = [wall_seconds[(strategy, s)] for s in seeds if wall_seconds and (strategy, s) in wall_seconds]
+        out.append(
+            StrategySummary(
+                strategy,
+                seeds,
+                over_seeds(per["mean"]),
+                over_seeds(per["worst"]),
+                over_seeds(per["gap"]),
+                over_seeds(per["count"]),
+                over_seeds(per["size"]),
+                over_seeds(per["em"]),
+                over_seeds(per["rl"]),
+                over_seeds(per["bytes"]),
+                over_seeds(walls),
+            )
+        )
+    return out
+
+
+# (column title, attribute, format, lower is better)
+COLUMNS = (
+    ("mean client loss", "mean_loss", "{:.3f}", True),
+    ("worst-client loss", "worst_loss", "{:.3f}", True),
+    ("worst vs local", "worst_vs_baseline", "{:+.3f}", True),
+    ("clients hurt", "hurt_count", "{:.1f}", True),
+    ("mean harm", "hurt_size", "{:.3f}", True),
+    ("EM", "exact_match", "{:.3f}", False),
+    ("ROUGE-L", "rouge_l", "{:.3f}", False),
+    ("KB/client/round", "bytes_per_round", "{:.0f}", True),
+    ("wall s", "wall_seconds", "{:.0f}", True),
+)
+
+
+def best_by_column(summaries: Sequence[StrategySummary]) -> dict[str, str]:
+    """Per column attribute, the strategy with the best mean (ties: the first)."""
+    best = {}
+    for _, attr, _, lower in COLUMNS:
+        scored = [(getattr(s, attr).mean, s.strategy) for s in summaries if getattr(s, attr).n]
+        if scored:
+            pick = min(scored, key=lambda t: t[0]) if lower else max(scored, key=lambda t: t[0])
+            best[attr] = pick[1]
+    return best
+
+
+def markdown_table(summaries: Sequence[StrategySummary]) -> str:
+    """The report table: mean ± spread over seeds per column, the best strategy per column in bold."""
+    best = best_by_column(summaries)
+    lines = [
+        "| strategy | seeds | " + " | ".join(title for title, *_ in COLUMNS) + " |",
+        "|---|---|" + "---|" * len(COLUMNS),
+    ]
+    for s in summaries:
+        cells = []
+        for _, attr, fmt, _ in COLUMNS:
+            value: Spread = getattr(s, attr)
+            if not value.n:
+                cells.append("–")
+                continue
+            scale = 1 / 1024 if attr == "bytes_per_round" else 1.0
+            text = f"{fmt.format(value.mean * scale)} ± {fmt.format(value.spread * scale).lstrip('+')}"
+            cells.append(f"**{text}**" if best.get(attr) == s.strategy else text)
+        lines.append(f"| {s.strategy} | {len(s.seeds)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def per_client_table(rows: Sequence[Row]) -> str:
+    """Final held-out loss per client (mean ± spread over seeds), strategies as rows."""
+    clients = sorted({r["client"] for r in rows})
+    lines = ["| strategy | " + " | ".join(f"client {c}" for c in clients) + " |", "|---|" + "---|" * len(clients)]
+    for strategy in strategies_in(rows):
+        mine = [r for r in rows if r["strategy"] == strategy]
+        finals = [
+            client_metric(mine, strategy, seed, final_round([r for r in mine if r["seed"] == seed]), "eval_loss")
+            for seed in sorted({r["seed"] for r in mine})
+        ]
+        cells = [str(over_seeds(f.get(c, math.nan) for f in finals)) for c in clients]
+        lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def worst_by_round(rows: Sequence[Row], strategy: str) -> dict[int, Spread]:
+    """The worst client's loss at every round, over seeds."""
+    mine = [r for r in rows if r["strategy"] == strategy]
+    seeds = sorted({r["seed"] for r in mine})
+    rounds = sorted({r["round"] for r in mine})
+    return {
+        rnd: over_seeds(worst(client_metric(mine, strategy, seed, rnd, "eval_loss")) for seed in seeds)
+        for rnd in rounds
+    }

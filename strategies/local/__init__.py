@@ -1,0 +1,18 @@
+"""Local-only training (``strategy = "local"``): the baseline. No adapter is aggregated; each client trains and
+keeps its own, of the kind ``local.adapter`` names (LoRA to compare with FedAvg, PQ-LoRA with SimGrad)."""
+
+from ..registry import StrategySpec
+from .client import LocalClient
+from .config import LocalSection
+from .server import LocalOnly
+
+SPEC = StrategySpec(
+    name=LocalOnly.name,
+    server=LocalOnly,
+    client=LocalClient,
+    adapter="lora",
+    section=LocalSection,
+    adapter_from=lambda cfg: cfg.section(LocalSection).adapter,
+)
+
+__all__ = ["SPEC", "LocalClient", "LocalOnly", "LocalSection"]

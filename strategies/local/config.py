@@ -1,0 +1,17 @@
+"""The local-only baseline's run-config section (``local.*``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from common.config import Section
+
+
+class LocalSection(Section):
+    """Local-only training: which adapter kind each client trains on its own.
+
+    adapter: ``lora`` (compare with FedAvg) or ``pqlora`` (compare with SimGrad: the same adapter, never mixed).
+    """
+
+    key: ClassVar[str] = "local"
+    adapter: Literal["lora", "pqlora"] = "lora"
