@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     total = len(strategies) * len(seeds)
     try:
-        for i, ((label, name, extra), seed) in enumerate(((s, seed) for s in strategies for seed in seeds), 1):
+        # seed by seed: a comparison stopped early still has every strategy on the same seeds
+        for i, (seed, (label, name, extra)) in enumerate(((seed, s) for seed in seeds for s in strategies), 1):
             run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label) / f"seed-{seed}"
             config = run_config(chosen, rounds, seed, name, extra, args.run_config, run_dir)
             run: dict[str, Any] = {"strategy": label, "seed": seed, "run_dir": str(run_dir), "run_config": config}

@@ -1,0 +1,124 @@
+"""The comparison's report math on crafted rows (negative transfer, worst client, spread over seeds, the best per
+column) and how ``bench.compare`` builds and checks runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.compare import parse_strategy, run_config, run_problem, split_outside_quotes
+from bench.presets import PRESETS, preset, toml_value
+from bench.report import (
+    best_by_column,
+    hurt,
+    markdown_table,
+    negative_transfer,
+    over_seeds,
+    summarise,
+    worst,
+    worst_by_round,
+)
+from common.config import RunConfig
+
+
+def rows_of(strategy: str, seed: int, losses_by_round: dict[int, list[float]], bytes_each: int = 0) -> list[dict]:
+    return [
+        {
+            "strategy": strategy,
+            "seed": seed,
+            "client": c,
+            "round": rnd,
+            "eval_loss": loss,
+            "exact_match": 0.5,
+            "rouge_l": 0.25,
+            "bytes_up": bytes_each,
+            "bytes_down": bytes_each,
+            "seconds": 1.0,
+        }
+        for rnd, losses in losses_by_round.items()
+        for c, loss in enumerate(losses)
+    ]
+
+
+def test_negative_transfer_pairs_each_client_with_itself():
+    transfer = negative_transfer({0: 1.0, 1: 2.5, 2: 3.0}, {0: 1.5, 1: 2.0, 2: 3.0, 3: 9.0})
+    assert transfer == {0: -0.5, 1: 0.5, 2: 0.0}  # client 3 has no strategy value: left out
+    assert hurt(transfer) == (1, 0.5)  # equal is not hurt
+    assert hurt({0: -1.0}) == (0, 0.0)
+    assert worst({0: 1.0, 1: 4.0}) == 4.0 and math.isnan(worst({}))
+
+
+def test_spread_is_the_sample_standard_deviation_over_seeds():
+    s = over_seeds([1.0, 2.0, 3.0])
+    assert (s.mean, s.spread, s.n) == (2.0, 1.0, 3)
+    assert over_seeds([4.0]).spread == 0.0 and over_seeds([float("nan"), 2.0]).n == 1
+    assert over_seeds([]).n == 0 and str(over_seeds([])) == "n/a"
+
+
+def test_summary_uses_the_final_round_and_the_same_seed_baseline():
+    rows = (
+        rows_of("local", 0, {0: [3, 3, 3], 2: [2.0, 1.0, 1.5]})
+        + rows_of("local", 1, {0: [3, 3, 3], 2: [2.2, 1.0, 1.5]})
+        + rows_of("fedavg", 0, {0: [3, 3, 3], 1: [9, 9, 9], 2: [1.5, 1.5, 1.5]}, bytes_each=100)
+        + rows_of("fedavg", 1, {0: [3, 3, 3], 1: [9, 9, 9], 2: [1.9, 1.2, 1.0]}, bytes_each=100)
+    )
+    local, fedavg = summarise(rows, "local", {("fedavg", 0): 10.0, ("fedavg", 1): 20.0})
+    assert local.worst_loss.mean == pytest.approx(2.1) and local.worst_loss.spread == pytest.approx(math.sqrt(0.02))
+    assert local.hurt_count.n == 0  # the baseline is not compared with itself
+    assert fedavg.mean_loss.mean == pytest.approx((1.5 + (1.9 + 1.2 + 1.0) / 3) / 2)
+    assert fedavg.worst_loss.mean == pytest.approx(1.7)  # round 1's 9.0 is not the final round
+    # seed 0: clients 1 and 2 hurt by 0.5 and 0.0 -> (1, 0.5); seed 1: client 1 by 0.2 -> (1, 0.2)
+    assert fedavg.hurt_count.mean == 1 and fedavg.hurt_size.mean == pytest.approx(0.35)
+    assert fedavg.worst_vs_baseline.mean == pytest.approx(((1.5 - 2.0) + (1.9 - 2.2)) / 2)
+    assert fedavg.bytes_per_round.mean == 200 and fedavg.wall_seconds.mean == 15.0
+    best = best_by_column([local, fedavg])
+    assert best["worst_loss"] == "fedavg" and best["bytes_per_round"] == "local"
+    table = markdown_table([local, fedavg])
+    assert "| local | 2 |" in table and "**1.700 ± 0.283**" in table
+    assert worst_by_round(rows, "fedavg")[1].mean == 9
+
+
+def test_strategy_items_and_overrides_become_one_run_config():
+    assert split_outside_quotes("fedavg, simgrad:data.tasks='a,b' seed=1,local") == [
+        "fedavg",
+        "simgrad:data.tasks='a,b' seed=1",
+        "local",
+    ]
+    assert parse_strategy("simgrad:pqlora.r=4") == ("simgrad:pqlora.r=4", "simgrad", "pqlora.r=4")
+    with pytest.raises(SystemExit, match="'mira' is not a registered strategy"):
+        parse_strategy("mira")
+    from pathlib import Path
+
+    text = run_config(
+        preset("tasks-distinct"), 5, 2, "simgrad", "train.local-steps=3", "eval.max-examples=2", Path("/r")
+    )
+    from flwr.common.config import parse_config_args
+
+    flat = parse_config_args([text])  # what `flwr run --run-config` will read: every key once, later ones win
+    assert flat["train.local-steps"] == 3 and flat["eval.max-examples"] == 2 and flat["seed"] == 2
+    assert flat["strategy"] == "simgrad" and flat["num-server-rounds"] == 5 and flat["run-dir"] == "/r"
+    assert toml_value(True) == "true" and toml_value("a b") == "'a b'"
+    with pytest.raises(SystemExit, match="--run-config"):
+        run_config(preset("tasks-distinct"), 1, 0, "local", "", "x=1.2.3", Path("/r"))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_a_valid_run_config(name):
+    chosen = preset(name)
+    cfg = RunConfig.from_flat({**chosen.overrides, "strategy": "simgrad", "num-server-rounds": chosen.rounds})
+    assert cfg.data.validation_fraction > 0  # tuning never reads the reported split
+    with pytest.raises(ValueError, match="not a preset"):
+        preset("tasks-everything")
+
+
+def test_a_run_without_every_clients_loss_is_not_comparable(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    good = [{"round": r, "node": n, "eval_loss": 1.0} for r in (0, 1) for n in (1, 2)]
+    path.write_text("\n".join(json.dumps(r) for r in good))
+    assert run_problem(path, rounds=1, clients=2) is None
+    broken = good[:3] + [{"round": 1, "node": 2, "eval_loss": None, "eval_error": "client error: boom"}]
+    path.write_text("\n".join(json.dumps(r) for r in broken))
+    assert "round 1: 1 of 2 clients" in run_problem(path, rounds=1, clients=2) and "boom" in run_problem(path, 1, 2)
+    assert run_problem(tmp_path / "missing.jsonl", 1, 2) == "no metrics.jsonl"

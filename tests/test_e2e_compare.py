@@ -1,0 +1,52 @@
+"""End to end: ``python -m bench.compare`` with two strategies (FedAvg and the local-only baseline), one seed and a
+tiny budget on the real 4-bit SmolLM2 through `flwr run . local`; the report has a row per strategy and client."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_one_command_compares_two_strategies_on_the_same_clients(tmp_path):
+    out = tmp_path / "report"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.compare",
+        "--strategies",
+        "fedavg,local",
+        "--seeds",
+        "0",
+        "--preset",
+        "tasks-distinct",
+        "--clients",
+        "3",
+        "--rounds",
+        "1",
+        "--run-config",
+        "train.local-steps=3 eval.max-examples=3 eval.max-new-tokens=4",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("[compare] ") == 3  # a progress line per run, then the report's path
+    report = json.loads((out / "compare.json").read_text())
+    assert all(run["ok"] for run in report["runs"]), report["runs"]
+    final = {(r["strategy"], r["client"]): r for r in report["rows"] if r["round"] == 1}
+    assert sorted(final) == [(s, c) for s in ("fedavg", "local") for c in range(3)]
+    first = {(r["strategy"], r["client"]): r["eval_loss"] for r in report["rows"] if r["round"] == 0}
+    assert first[("fedavg", 0)] == pytest.approx(first[("local", 0)])  # same clients, same start
+    for client in range(3):  # both trained every client; only FedAvg moved adapter bytes
+        assert final[("local", client)]["eval_loss"] < first[("local", client)]
+        assert final[("local", client)]["bytes_up"] == 0 < final[("fedavg", client)]["bytes_up"]
+    text = (out / "compare.md").read_text()
+    assert "| fedavg | 1 |" in text and "| local | 1 |" in text and "client 2" in text
+    assert (out / "compare.png").stat().st_size > 10_000
