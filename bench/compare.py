@@ -17,6 +17,8 @@ import json
 import os
 import platform
 import re
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -238,6 +240,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from deploy.local_sim import flwr_run, prepare_home, stop_superlink
 
+    # stopped from outside (kill, timeout): exit through the finally below, which stops the managed SuperLink, and
+    # through subprocess.run, which kills the `flwr run` in flight; the default handler would leave both running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     chosen = preset(args.preset)
     clients, rounds = args.clients or chosen.clients, args.rounds or chosen.rounds
     seeds = [int(s) for s in split_outside_quotes(args.seeds)]
