@@ -7,6 +7,7 @@ nothing else; the model workers the ClientApps start notice their SuperExec is g
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -135,6 +136,20 @@ class LoopbackFederation:
     def close(self) -> None:
         for proc in self._others + list(self.nodes.values()) + [self.superlink]:
             self.stop(proc)
+
+    # -------------------------------------------------------------------------------------------- flwr CLI
+    def flwr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """A ``flwr`` command against this federation's SuperLink (its Control API)."""
+        return subprocess.run(["flwr", *args], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def online_nodes(self) -> int:
+        """SuperNodes the SuperLink lists as online (0 while it cannot answer)."""
+        out = self.flwr("supernode", "list", CONNECTION, "--format", "json")
+        try:
+            nodes = json.loads(out.stdout).get("nodes", [])
+        except json.JSONDecodeError:
+            return 0
+        return sum(1 for n in nodes if str(n.get("status", "")).lower() == "online")
 
     # -------------------------------------------------------------------------------------------- runs
     def run_command(self, run_config: str) -> list[str]:

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from deploy.certs import generate
-from deploy.local_sim import ROOT
-from deploy.loopback import CONNECTION, LoopbackFederation
+from deploy.loopback import LoopbackFederation
 
 pytestmark = pytest.mark.e2e
 
@@ -51,22 +49,6 @@ def wait_for(condition, what: str, timeout: float = STEP_TIMEOUT, poll: float = 
 def checkpoint_round(run_dir: Path) -> int:
     meta = run_dir / "checkpoint" / "state.json"
     return json.loads(meta.read_text())["round"] if meta.exists() else -1
-
-
-def online_nodes(fed: LoopbackFederation) -> int:
-    out = subprocess.run(
-        ["flwr", "supernode", "list", CONNECTION, "--format", "json"],
-        cwd=ROOT,
-        env=fed.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    try:
-        nodes = json.loads(out.stdout).get("nodes", [])
-    except json.JSONDecodeError:
-        return 0
-    return sum(1 for n in nodes if str(n.get("status", "")).lower() == "online")
 
 
 def test_unregistered_supernode_is_refused(federation):
@@ -113,7 +95,7 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
         fed.stop(first)
     fed.start_superlink()
     fed.start_node(2)  # its key is still registered: the registrations live in the state database
-    wait_for(lambda: online_nodes(fed) == 3, "three SuperNodes back online", poll=3, logs=fed.work)
+    wait_for(lambda: fed.online_nodes() == 3, "three SuperNodes back online", poll=3, logs=fed.work)
 
     # 3. The same run, resumed from the server checkpoint, finishes round 2 with every node.
     resumed = fed.run(config + " resume=true", timeout=STEP_TIMEOUT)

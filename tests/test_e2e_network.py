@@ -70,15 +70,6 @@ def wait_for(condition, what: str, fed: NetworkFederation, timeout: float = STEP
     raise TimeoutError(f"{what}: not within {timeout:.0f}s{ended}{logs}")
 
 
-def online_nodes(fed: NetworkFederation) -> int:
-    out = fed.flwr("supernode", "list", "tessera-loopback", "--format", "json")
-    try:
-        nodes = json.loads(out.stdout).get("nodes", [])
-    except json.JSONDecodeError:
-        return 0
-    return sum(1 for n in nodes if str(n.get("status", "")).lower() == "online")
-
-
 def test_a_stranger_on_the_network_reaches_only_the_fleet_api(federation):
     fed = federation
     stranger = (  # holds the CA certificate, as every node does
@@ -154,7 +145,7 @@ def test_rounds_survive_loss_a_slow_link_a_cut_cable_and_killed_processes(federa
         fed.stop(first)
     fed.start_superlink()
     fed.start_node(1)
-    wait_for(lambda: online_nodes(fed) == NODES, "every SuperNode back online", fed, poll=3)
+    wait_for(lambda: fed.online_nodes() == NODES, "every SuperNode back online", fed, poll=3)
     resumed = fed.run(config + " resume=true", timeout=STEP_TIMEOUT)
     assert "resuming after round 3" in resumed.stdout + resumed.stderr, resumed.stdout[-3000:]
 
