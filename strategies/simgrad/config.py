@@ -26,7 +26,7 @@ class SimGradSection(Section):
     ema_decay: float = Field(0.4, ge=0, lt=1)
     noise_scale: float = Field(0.05, ge=0)  # Gaussian noise std, relative to the signature's RMS
     keep_fraction: float = Field(0.6, gt=0, le=1)  # random subsample of signature coordinates kept
-    route_budget: int = Field(2, ge=0)  # blocks trained and sent per round (0: all)
+    route_budget: int = Field(0, ge=0)  # blocks trained and sent per round (0: all; the sweep preferred all)
     alignment: bool = True  # Procrustes-align the outgoing P/Q onto the received global ones
     anchors: int = Field(64, ge=2)
     min_group_size: int = Field(3, ge=3)  # secure mode: SecAgg+ groups by relevance, never smaller than this

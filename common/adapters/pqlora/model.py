@@ -53,7 +53,7 @@ def attach_pqlora(model: nn.Module, cfg: PQLoraConfig) -> nn.Module:
         raise ValueError("model already has PQ-LoRA attached")
     blocks = find_decoder_blocks(model)
     if cfg.num_blocks > len(blocks):
-        raise ValueError(f"num_blocks: {cfg.num_blocks} exceeds the {len(blocks)} blocks of the model")
+        raise ValueError(f"pqlora.blocks (num_blocks): {cfg.num_blocks} exceeds the {len(blocks)} blocks of the model")
     first = len(blocks) - cfg.num_blocks
     # Resolve every target before touching the model, so a bad config leaves it unchanged.
     targets = []
