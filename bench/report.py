@@ -79,7 +79,8 @@ class StrategySummary:
     hurt_size: Spread
     exact_match: Spread
     rouge_l: Spread
-    bytes_per_round: Spread  # per client, up + down, averaged over training rounds
+    bytes_up_per_round: Spread  # per client, averaged over training rounds
+    bytes_down_per_round: Spread
     wall_seconds: Spread
 
 
@@ -95,7 +96,8 @@ def summarise(
     for strategy in strategies_in(rows):
         mine = [r for r in rows if r["strategy"] == strategy]
         seeds = sorted({r["seed"] for r in mine})
-        per: dict[str, list[float]] = {k: [] for k in ("mean", "worst", "gap", "count", "size", "em", "rl", "bytes")}
+        keys = ("mean", "worst", "gap", "count", "size", "em", "rl", "up", "down")
+        per: dict[str, list[float]] = {k: [] for k in keys}
         for seed in seeds:
             run = [r for r in mine if r["seed"] == seed]
             last = final_round(run)
@@ -107,7 +109,8 @@ def summarise(
                 per[key].append(sum(values.values()) / len(values) if values else math.nan)
             trained = [r for r in run if r["round"] > 0]
             if trained:
-                per["bytes"].append(sum(r["bytes_up"] + r["bytes_down"] for r in trained) / len(trained))
+                per["up"].append(sum(r["bytes_up"] for r in trained) / len(trained))
+                per["down"].append(sum(r["bytes_down"] for r in trained) / len(trained))
             if baseline is not None and strategy != baseline:
                 base_rows = [r for r in rows if r["strategy"] == baseline and r["seed"] == seed]
                 if base_rows:
@@ -128,7 +131,8 @@ def summarise(
                 over_seeds(per["size"]),
                 over_seeds(per["em"]),
                 over_seeds(per["rl"]),
-                over_seeds(per["bytes"]),
+                over_seeds(per["up"]),
+                over_seeds(per["down"]),
                 over_seeds(walls),
             )
         )
@@ -144,7 +148,8 @@ COLUMNS = (
     ("mean harm", "hurt_size", "{:.3f}", True),
     ("EM", "exact_match", "{:.3f}", False),
     ("ROUGE-L", "rouge_l", "{:.3f}", False),
-    ("KB/client/round", "bytes_per_round", "{:.0f}", True),
+    ("KB up/client/round", "bytes_up_per_round", "{:.0f}", True),
+    ("KB down", "bytes_down_per_round", "{:.0f}", True),
     ("wall s", "wall_seconds", "{:.0f}", True),
 )
 
@@ -174,7 +179,7 @@ def markdown_table(summaries: Sequence[StrategySummary]) -> str:
             if not value.n:
                 cells.append("–")
                 continue
-            scale = 1 / 1024 if attr == "bytes_per_round" else 1.0
+            scale = 1 / 1024 if attr.startswith("bytes_") else 1.0
             text = f"{fmt.format(value.mean * scale)} ± {fmt.format(value.spread * scale).lstrip('+')}"
             cells.append(f"**{text}**" if best.get(attr) == s.strategy else text)
         lines.append(f"| {s.strategy} | {len(s.seeds)} | " + " | ".join(cells) + " |")

@@ -23,7 +23,7 @@ from bench.report import (
 from common.config import RunConfig
 
 
-def rows_of(strategy: str, seed: int, losses_by_round: dict[int, list[float]], bytes_each: int = 0) -> list[dict]:
+def rows_of(strategy: str, seed: int, losses_by_round: dict[int, list[float]], bytes_up: int = 0) -> list[dict]:
     return [
         {
             "strategy": strategy,
@@ -33,8 +33,8 @@ def rows_of(strategy: str, seed: int, losses_by_round: dict[int, list[float]], b
             "eval_loss": loss,
             "exact_match": 0.5,
             "rouge_l": 0.25,
-            "bytes_up": bytes_each,
-            "bytes_down": bytes_each,
+            "bytes_up": bytes_up,
+            "bytes_down": 3 * bytes_up,
             "seconds": 1.0,
         }
         for rnd, losses in losses_by_round.items()
@@ -61,8 +61,8 @@ def test_summary_uses_the_final_round_and_the_same_seed_baseline():
     rows = (
         rows_of("local", 0, {0: [3, 3, 3], 2: [2.0, 1.0, 1.5]})
         + rows_of("local", 1, {0: [3, 3, 3], 2: [2.2, 1.0, 1.5]})
-        + rows_of("fedavg", 0, {0: [3, 3, 3], 1: [9, 9, 9], 2: [1.5, 1.5, 1.5]}, bytes_each=100)
-        + rows_of("fedavg", 1, {0: [3, 3, 3], 1: [9, 9, 9], 2: [1.9, 1.2, 1.0]}, bytes_each=100)
+        + rows_of("fedavg", 0, {0: [3, 3, 3], 1: [9, 9, 9], 2: [1.5, 1.5, 1.5]}, bytes_up=100)
+        + rows_of("fedavg", 1, {0: [3, 3, 3], 1: [9, 9, 9], 2: [1.9, 1.2, 1.0]}, bytes_up=100)
     )
     local, fedavg = summarise(rows, "local", {("fedavg", 0): 10.0, ("fedavg", 1): 20.0})
     assert local.worst_loss.mean == pytest.approx(2.1) and local.worst_loss.spread == pytest.approx(math.sqrt(0.02))
@@ -72,9 +72,10 @@ def test_summary_uses_the_final_round_and_the_same_seed_baseline():
     # seed 0: clients 1 and 2 hurt by 0.5 and 0.0 -> (1, 0.5); seed 1: client 1 by 0.2 -> (1, 0.2)
     assert fedavg.hurt_count.mean == 1 and fedavg.hurt_size.mean == pytest.approx(0.35)
     assert fedavg.worst_vs_baseline.mean == pytest.approx(((1.5 - 2.0) + (1.9 - 2.2)) / 2)
-    assert fedavg.bytes_per_round.mean == 200 and fedavg.wall_seconds.mean == 15.0
+    assert fedavg.bytes_up_per_round.mean == 100 and fedavg.bytes_down_per_round.mean == 300
+    assert fedavg.wall_seconds.mean == 15.0
     best = best_by_column([local, fedavg])
-    assert best["worst_loss"] == "fedavg" and best["bytes_per_round"] == "local"
+    assert best["worst_loss"] == "fedavg" and best["bytes_up_per_round"] == "local"
     table = markdown_table([local, fedavg])
     assert "| local | 2 |" in table and "**1.700 ± 0.283**" in table
     assert worst_by_round(rows, "fedavg")[1].mean == 9
