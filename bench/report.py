@@ -155,11 +155,12 @@ COLUMNS = (
 
 
 def best_by_column(summaries: Sequence[StrategySummary]) -> dict[str, str]:
-    """Per column attribute, the strategy with the best mean (ties: the first)."""
+    """Per column attribute, the strategy with the best mean (ties: the first); a column that only one strategy
+    has (the transfer columns leave the baseline out) has no best."""
     best = {}
     for _, attr, _, lower in COLUMNS:
         scored = [(getattr(s, attr).mean, s.strategy) for s in summaries if getattr(s, attr).n]
-        if scored:
+        if len(scored) > 1:
             pick = min(scored, key=lambda t: t[0]) if lower else max(scored, key=lambda t: t[0])
             best[attr] = pick[1]
     return best

@@ -76,6 +76,7 @@ def test_summary_uses_the_final_round_and_the_same_seed_baseline():
     assert fedavg.wall_seconds.mean == 15.0
     best = best_by_column([local, fedavg])
     assert best["worst_loss"] == "fedavg" and best["bytes_up_per_round"] == "local"
+    assert "hurt_count" not in best  # only fedavg has it (the baseline is not compared with itself): no best
     table = markdown_table([local, fedavg])
     assert "| local | 2 |" in table and "**1.700 ± 0.283**" in table
     assert worst_by_round(rows, "fedavg")[1].mean == 9
