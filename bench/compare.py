@@ -26,6 +26,7 @@ from typing import Any
 from bench.presets import PRESETS, Preset, preset, toml_value
 from bench.report import markdown_table, per_client_table, summarise, worst_by_round
 
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"  # the app's defaults
 ROW_KEYS = ("eval_loss", "exact_match", "rouge_l", "bytes_up", "bytes_down")
 
 
@@ -109,13 +110,41 @@ def read_run(metrics_path: Path, label: str, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def complete(run_dir: Path, config: str, rounds: int) -> bool:
-    """Whether ``run_dir`` already holds this exact run, finished."""
+def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A TOML table with dotted keys (``pqlora.r = 8`` reads as nested tables) as Flower's flat run config."""
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any]:
+    """Every value a run reads: pyproject.toml's app config with the run's ``--run-config`` on top, resolved by
+    ``RunConfig`` and without the sections its strategy does not read (SimGrad's keys do not change a FedAvg run).
+
+    Reuse compares these, not the override string: a run made before a default changed is not the same run.
+    """
+    import tomllib
+
+    from common.config import RunConfig
+    from strategies.registry import config_sections, strategy_spec
+
+    defaults = flatten(tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"])
+    cfg = RunConfig.from_flat({**defaults, **parse_overrides(config, "run config")})
+    unread = set(config_sections()) - {kind.key for kind in strategy_spec(cfg.strategy).sections(cfg)}
+    return {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread}
+
+
+def complete(run_dir: Path, settings: dict[str, Any]) -> bool:
+    """Whether ``run_dir`` already holds this exact run (the same resolved settings), finished."""
     marker, metrics = run_dir / "compare-run.json", run_dir / "metrics.jsonl"
     if not (marker.exists() and metrics.exists()):
         return False
     recorded = json.loads(marker.read_text())
-    return recorded.get("run_config") == config and recorded.get("ok", False)
+    return recorded.get("settings") == settings and recorded.get("ok", False)
 
 
 def machine() -> dict[str, Any]:
@@ -270,9 +299,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label) / f"seed-{seed}"
             config = run_config(chosen, rounds, seed, name, extra, args.run_config, run_dir)
             run: dict[str, Any] = {"strategy": label, "seed": seed, "run_dir": str(run_dir), "run_config": config}
+            settings = json.loads(json.dumps(resolved_settings(config)))  # as the marker reads back (lists, floats)
             marker = run_dir / "compare-run.json"
-            if complete(run_dir, config, rounds):
-                run.update(json.loads(marker.read_text()), reused=True)
+            if complete(run_dir, settings):
+                run.update({k: v for k, v in json.loads(marker.read_text()).items() if k != "settings"}, reused=True)
             else:
                 started = time.perf_counter()
                 proc = flwr_run(home, config, num_clients=clients, timeout=args.timeout)
@@ -281,7 +311,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 run["ok"] = proc.returncode == 0 and why is None
                 run["error"] = None if run["ok"] else f"exit {proc.returncode}: {why}; log tail: {proc.stdout[-600:]}"
                 if run["ok"]:
-                    marker.write_text(json.dumps({k: run[k] for k in ("run_config", "wall_seconds", "ok", "error")}))
+                    marker.write_text(
+                        json.dumps(
+                            {**{k: run[k] for k in ("run_config", "wall_seconds", "ok", "error")}, "settings": settings}
+                        )
+                    )
                 (out / "logs").mkdir(exist_ok=True)
                 (out / "logs" / f"{run_dir.parent.name}-seed-{seed}.log").write_text(proc.stdout + proc.stderr)
             rows = read_run(run_dir / "metrics.jsonl", label, seed) if run.get("ok") else []

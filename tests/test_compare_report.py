@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
-from bench.compare import parse_strategy, run_config, run_problem, split_outside_quotes
+from bench.compare import PYPROJECT, parse_strategy, resolved_settings, run_config, run_problem, split_outside_quotes
 from bench.presets import PRESETS, preset, toml_value
 from bench.report import (
     best_by_column,
@@ -124,3 +125,18 @@ def test_a_run_without_every_clients_loss_is_not_comparable(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in broken))
     assert "round 1: 1 of 2 clients" in run_problem(path, rounds=1, clients=2) and "boom" in run_problem(path, 1, 2)
     assert run_problem(tmp_path / "missing.jsonl", 1, 2) == "no metrics.jsonl"
+
+
+def test_a_run_is_reused_only_with_the_settings_it_ran_with(tmp_path):
+    """The override string alone would reuse a SimGrad run made before a PQ-LoRA default changed (it did once)."""
+    changed = tmp_path / "pyproject.toml"
+    text = PYPROJECT.read_text()
+    changed.write_text(re.sub(r"\npqlora\.blocks = \d+", "\npqlora.blocks = 3", text, count=1))
+    assert changed.read_text() != text
+    for name, same in (("fedavg", True), ("local", True), ("simgrad", False)):
+        config = f"strategy='{name}' seed=1 data.tasks='boolq'"
+        now, before = resolved_settings(config), resolved_settings(config, changed)
+        assert (now == before) is same, name
+        assert now["seed"] == 1 and now["data.tasks"] == "boolq" and "train.local-steps" in now
+    assert "pqlora.blocks" not in resolved_settings("strategy='fedavg'")
+    assert resolved_settings("strategy='local' local.adapter='pqlora'")["pqlora.blocks"] == 24
