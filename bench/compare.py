@@ -215,6 +215,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     from bench.report import client_metric, final_round, over_seeds, strategies_in
 
@@ -246,6 +247,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     left.set_ylabel("final held-out loss")
     left.set_title("per client")
     right.set_xlabel("round")
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     right.set_ylabel("worst client's held-out loss")
     right.set_title("worst client per round")
     left.legend(fontsize=8)
