@@ -110,29 +110,16 @@ def read_run(metrics_path: Path, label: str, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A TOML table with dotted keys (``pqlora.r = 8`` reads as nested tables) as Flower's flat run config."""
-    flat: dict[str, Any] = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any]:
     """Every value a run reads: pyproject.toml's app config with the run's ``--run-config`` on top, resolved by
     ``RunConfig`` and without the sections its strategy does not read (SimGrad's keys do not change a FedAvg run).
 
     Reuse compares these, not the override string: a run made before a default changed is not the same run.
     """
-    import tomllib
-
-    from common.config import RunConfig
+    from common.config import RunConfig, pyproject_defaults
     from strategies.registry import config_sections, strategy_spec
 
-    defaults = flatten(tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"])
+    defaults = pyproject_defaults(pyproject)
     cfg = RunConfig.from_flat({**defaults, **parse_overrides(config, "run config")})
     unread = set(config_sections()) - {kind.key for kind in strategy_spec(cfg.strategy).sections(cfg)}
     return {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread}

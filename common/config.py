@@ -51,6 +51,19 @@ class Section(BaseModel):
 SectionT = TypeVar("SectionT", bound=Section)
 
 
+def pyproject_defaults(pyproject: Path) -> dict[str, Any]:
+    """The app's run config in ``pyproject.toml`` as Flower's flat keys (TOML reads ``pqlora.r = 8`` as a table)."""
+    import tomllib
+
+    def flatten(table: dict[str, Any], prefix: str) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for key, value in table.items():
+            flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return flat
+
+    return flatten(tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"], "")
+
+
 def split_csv(value: Any) -> Any:
     """Lists in a run config may be written "a, b, c" (TOML run configs have no lists)."""
     if isinstance(value, str):

@@ -1,27 +1,12 @@
 import pytest
-import tomllib
 from conftest import ROOT
 
 from common.adapters.lora import LoraSection
-from common.config import ConfigError, RunConfig
-
-
-def pyproject_run_config() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-
-
-def flatten(table: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+from common.config import ConfigError, RunConfig, pyproject_defaults
 
 
 def test_pyproject_defaults_validate_and_cover_every_key():
-    flat = flatten(pyproject_run_config())
+    flat = pyproject_defaults(ROOT / "pyproject.toml")
     cfg = RunConfig.from_flat(flat)
     # pyproject lists every key of the model, and the values round-trip
     assert set(flat) == set(cfg.to_flat())
