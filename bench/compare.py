@@ -122,7 +122,8 @@ def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any
     defaults = pyproject_defaults(pyproject)
     cfg = RunConfig.from_flat({**defaults, **parse_overrides(config, "run config")})
     unread = set(config_sections()) - {kind.key for kind in strategy_spec(cfg.strategy).sections(cfg)}
-    return {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread}
+    where = {"run-dir", "resume"}  # where the run writes, not what it computes
+    return {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread and k not in where}
 
 
 def complete(run_dir: Path, settings: dict[str, Any]) -> bool:

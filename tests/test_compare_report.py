@@ -139,4 +139,5 @@ def test_a_run_is_reused_only_with_the_settings_it_ran_with(tmp_path):
         assert (now == before) is same, name
         assert now["seed"] == 1 and now["data.tasks"] == "boolq" and "train.local-steps" in now
     assert "pqlora.blocks" not in resolved_settings("strategy='fedavg'")
+    assert resolved_settings("run-dir='/a'") == resolved_settings("run-dir='/b'")  # where it writes is not what it is
     assert resolved_settings("strategy='local' local.adapter='pqlora'")["pqlora.blocks"] == 24
