@@ -54,14 +54,9 @@ SectionT = TypeVar("SectionT", bound=Section)
 def pyproject_defaults(pyproject: Path) -> dict[str, Any]:
     """The app's run config in ``pyproject.toml`` as Flower's flat keys (TOML reads ``pqlora.r = 8`` as a table)."""
     import tomllib
+    from flwr.common.config import flatten_dict
 
-    def flatten(table: dict[str, Any], prefix: str) -> dict[str, Any]:
-        flat: dict[str, Any] = {}
-        for key, value in table.items():
-            flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-        return flat
-
-    return flatten(tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"], "")
+    return dict(flatten_dict(tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["config"]))
 
 
 def split_csv(value: Any) -> Any:
