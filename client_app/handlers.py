@@ -103,7 +103,9 @@ def train(msg: Message, context: Context) -> Message:
         lr,
     )
     seed = rt.cfg.seed * 1000 + server_round * 97 + rt.partition_id
-    metrics: dict[str, Any] = dict(train_round(rt.model, rt.tokenizer, rt.train, settings, lr, seed=seed))
+    metrics: dict[str, Any] = dict(
+        train_round(rt.model, rt.tokenizer, rt.train, settings, lr, seed=seed, lr_groups=rt.adapter.lr_groups())
+    )
     updated, adapter_metrics = rt.adapter.outgoing(active)
     if not math.isfinite(metrics["train_loss"]) or not all(np.all(np.isfinite(a)) for a in updated.values()):
         # Never send (or mask, under SecAgg+, or keep) a diverged update: the error makes the server leave it out.

@@ -99,12 +99,28 @@ def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection
     return loss_sum
 
 
-def train_round(model, tokenizer, examples: list[Example], cfg: TrainSection, lr: float, seed: int) -> dict[str, float]:
-    """Train the model's trainable parameters in place; return loss, example/token counts and seconds."""
+def train_round(
+    model,
+    tokenizer,
+    examples: list[Example],
+    cfg: TrainSection,
+    lr: float,
+    seed: int,
+    lr_groups: list[tuple[list[torch.nn.Parameter], float]] | None = None,
+) -> dict[str, float]:
+    """Train the model's trainable parameters in place; return loss, example/token counts and seconds.
+
+    ``lr_groups``: (parameters, multiple of ``lr``) per group, for adapters whose parts step at different rates
+    (a PQ path and a personal LoRA); None: every trainable parameter at ``lr``."""
     start = time.perf_counter()
     device = next(p for p in model.parameters() if p.requires_grad).device
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    parts = [(params, 1.0)] if lr_groups is None else [(ps, scale) for ps, scale in lr_groups if ps]
+    grouped = [id(p) for ps, _ in parts for p in ps]
+    if sorted(grouped) != sorted(id(p) for p in params):
+        raise ValueError("lr_groups: every trainable parameter must be in exactly one group")
+    groups = [{"params": ps, "lr": lr * scale} for ps, scale in parts]
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
     rng = random.Random(seed)
     encoded = [encode(tokenizer, e, cfg.max_seq_len) for e in examples]
     order: list[int] = []

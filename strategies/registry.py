@@ -47,8 +47,9 @@ class StrategySpec:
         """The config sections a run of this strategy reads beyond the core: its adapter kind's and its own."""
         from common.adapters import adapter_kind
 
+        kind = adapter_kind(self.adapter_for(cfg))
         own = [self.section] if self.section is not None else []
-        return [adapter_kind(self.adapter_for(cfg)).section, *own]
+        return [kind.section, *kind.extra_sections, *own]
 
     def state_keys(self, cfg: RunConfig) -> tuple[str, ...]:
         """Every client-state key a client of this strategy keeps (adapter kind's + client half's)."""
@@ -97,17 +98,18 @@ def config_sections() -> dict[str, type[Section]]:
     """Every adapter kind's and registered strategy's config section, by key."""
     from common.adapters import ADAPTER_KINDS
 
-    sections = {kind.section.key: kind.section for kind in ADAPTER_KINDS.values()}
+    sections = {s.key: s for kind in ADAPTER_KINDS.values() for s in (kind.section, *kind.extra_sections)}
     sections.update({s.section.key: s.section for s in REGISTRY.values() if s.section is not None})
     return sections
 
 
 def _register_builtin() -> None:
     from .fedavg import SPEC as FEDAVG
+    from .fedavg import SPEC_DUAL as FEDAVG_DUAL
     from .local import SPEC as LOCAL
     from .simgrad import SPEC as SIMGRAD
 
-    for spec in (FEDAVG, SIMGRAD, LOCAL):
+    for spec in (FEDAVG, FEDAVG_DUAL, SIMGRAD, LOCAL):
         register(spec)
 
 

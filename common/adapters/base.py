@@ -63,6 +63,7 @@ class AdapterKind(Protocol):
     Class attributes:
         name: the kind's name (strategies name the kind they train).
         section: its run-config section class (``section.key`` is the config prefix, e.g. ``lora``).
+        extra_sections: sections of the parts it composes (the dual-path kinds' ``personal.*``).
         state_keys: the ``ClientState`` keys it keeps between messages (empty: the server sends everything).
         reply_metrics: metrics it adds to a train reply, copied into metrics.jsonl (name -> list element type, or
             None for a number).
@@ -72,6 +73,7 @@ class AdapterKind(Protocol):
 
     name: ClassVar[str]
     section: ClassVar[type[Section]]
+    extra_sections: ClassVar[tuple[type[Section], ...]]
     state_keys: ClassVar[tuple[str, ...]]
     reply_metrics: ClassVar[dict[str, type | None]]
     model: nn.Module  # the base model with this adapter attached: what trains and evaluates
@@ -92,6 +94,11 @@ class AdapterKind(Protocol):
 
     def prepare_training(self, active: list[int] | None) -> None:
         """Make trainable what this round trains (``active``: the blocks a routing strategy chose; None: all)."""
+        ...
+
+    def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
+        """Trainable parameters that step at another rate than the round's: (parameters, multiple of the round's
+        learning rate) per group; None: one rate for everything trainable."""
         ...
 
     def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:

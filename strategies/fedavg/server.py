@@ -113,3 +113,14 @@ class FedAvg(Strategy):
             FinalAdapter("" if single else family, self.model_of_family.get(family, family), arrays)
             for family, arrays in self.global_arrays.items()
         ]
+
+
+class FedAvgDual(FedAvg):
+    """FedAvg of the global LoRA of a dual-path adapter (``lora-dual``), one group per base model.
+
+    Each client also trains a personal LoRA (``personal.*``) that stays in its node state and is never sent: the
+    server's view, in plain and secure mode, is FedAvg's. The baseline a personalised strategy (SimGrad with
+    ``simgrad.local-path = "lora"``) has to beat with the same local path.
+    """
+
+    name = "fedavg-dual"

@@ -9,6 +9,13 @@ from .client import SimGradClient
 from .config import SimGradSection
 from .server import ClientReport, SimGrad
 
-SPEC = StrategySpec(name=SimGrad.name, server=SimGrad, client=SimGradClient, adapter="pqlora", section=SimGradSection)
+SPEC = StrategySpec(
+    name=SimGrad.name,
+    server=SimGrad,
+    client=SimGradClient,
+    adapter="pqlora",
+    section=SimGradSection,
+    adapter_from=lambda cfg: "pqlora-dual" if cfg.section(SimGradSection).local_path == "lora" else "pqlora",
+)
 
 __all__ = ["SPEC", "ClientReport", "SimGrad", "SimGradClient", "SimGradSection"]

@@ -30,6 +30,10 @@ class SimGradSection(Section):
     alignment: bool = True  # Procrustes-align the outgoing P/Q onto the received global ones
     anchors: int = Field(64, ge=2)
     min_group_size: int = Field(3, ge=3)  # secure mode: SecAgg+ groups by relevance, never smaller than this
+    # The local path of h = W h + (1 - beta) h_L + beta h_G. "pq": the seeds' form (P_L/Q_L train and travel, the
+    # received P_G/Q_G is mixed in). "lora": a personal LoRA (``personal.*``, every block) that never travels, beside
+    # one PQ path that starts from the received P_G/Q_G, trains and travels (``common.adapters.pqlora.dual``).
+    local_path: Literal["pq", "lora"] = "pq"
 
     def check(self, cfg: RunConfig) -> None:
         blocks = cfg.section(PQLoraSection).blocks

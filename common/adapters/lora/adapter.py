@@ -22,6 +22,7 @@ class LoraAdapter:
 
     name: ClassVar[str] = "lora"
     section: ClassVar[type[Section]] = LoraSection
+    extra_sections: ClassVar[tuple[type[Section], ...]] = ()
     reply_metrics: ClassVar[dict[str, type | None]] = {}
     state_keys: ClassVar[tuple[str, ...]] = ()
 
@@ -42,6 +43,9 @@ class LoraAdapter:
 
     def prepare_training(self, active: list[int] | None) -> None:
         """LoRA has no routing: every weight trains."""
+
+    def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
+        return None
 
     def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
         return get_adapter_arrays(self.model), {}

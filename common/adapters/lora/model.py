@@ -53,7 +53,8 @@ def get_adapter_arrays(peft_model) -> dict[str, np.ndarray]:
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(peft_model)
-    return {k: state[k].detach().to(torch.float32).cpu().numpy() for k in sorted(state)}
+    # copies: on the CPU in float32, .numpy() would share the live weights (and change as they train)
+    return {k: state[k].detach().to(torch.float32).cpu().numpy().copy() for k in sorted(state)}
 
 
 def set_adapter_arrays(peft_model, arrays: dict[str, np.ndarray]) -> None:

@@ -44,17 +44,19 @@ class PQLoraAdapter:
 
     name: ClassVar[str] = "pqlora"
     section: ClassVar[type[Section]] = PQLoraSection
+    extra_sections: ClassVar[tuple[type[Section], ...]] = ()
     reply_metrics: ClassVar[dict[str, type | None]] = {"beta": float, "active_blocks": int}
     state_keys: ClassVar[tuple[str, ...]] = (LOCAL_STATE, GLOBAL_STATE)
+    trains_global: ClassVar[bool] = False  # PQLoraConfig.trains_global of what it attaches
 
     def __init__(self, base: nn.Module, cfg: RunConfig) -> None:
-        self.pq_config = cfg.section(PQLoraSection).adapter_config(cfg.seed)
+        self.pq_config = cfg.section(PQLoraSection).adapter_config(cfg.seed, self.trains_global)
         self.model = attach_pqlora(base, self.pq_config)
         self.initial = get_pq_arrays(self.model, "local")  # zeros: the global part every client starts from
 
     @classmethod
     def settings(cls, cfg: RunConfig) -> str:
-        return str(cfg.section(PQLoraSection).adapter_config(cfg.seed).to_dict())
+        return str(cfg.section(PQLoraSection).adapter_config(cfg.seed, cls.trains_global).to_dict())
 
     def begin(self, state: ClientState, received: Arrays | None) -> None:
         """Swap this client's state into the shared model; ``received`` (P_G/Q_G from the server) wins over the
@@ -70,6 +72,9 @@ class PQLoraAdapter:
 
     def prepare_training(self, active: list[int] | None) -> None:
         set_trainable_blocks(self.model, active)
+
+    def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
+        return None
 
     def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
         """The local P/Q of the active blocks, with the gates and the blocks as metrics."""

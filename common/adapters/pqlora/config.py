@@ -38,9 +38,10 @@ class PQLoraSection(Section):
     def train_overrides(self) -> dict[str, Any]:
         return {"learning_rate": self.learning_rate}
 
-    def adapter_config(self, seed: int) -> PQLoraConfig:
+    def adapter_config(self, seed: int, trains_global: bool = False) -> PQLoraConfig:
         """What is attached to a model: these settings with the run's seed (shared A/B across the federation)."""
         return PQLoraConfig(
+            trains_global=trains_global,
             r=self.r,
             num_blocks=self.blocks,
             target_modules=tuple(self.target_modules),
@@ -61,6 +62,10 @@ class PQLoraConfig:
         scaling: factor on the adapter path.
         gate_init: initial gate logit per block; beta = sigmoid(gate), 0.0 -> beta 0.5.
         seed: base seed of the deterministic A/B init (shared by every client of a federation).
+        trains_global: False (the seeds' form): h = W h + (1 - beta) PQ_L h + beta PQ_G h, P_L trains, P_G is what
+            the server sent. True (beside a personal LoRA, which is then the local path): h = W h + beta PQ h, one
+            PQ path that starts each message from what the server sent and trains (held in P_L; P_G keeps the
+            received copy to align onto).
     """
 
     r: int = 8
@@ -69,6 +74,7 @@ class PQLoraConfig:
     scaling: float = 1.0
     gate_init: float = 0.0
     seed: int = 0
+    trains_global: bool = False
 
     def __post_init__(self) -> None:
         # Lists (JSON) and "a,b" strings (TOML run config) are normalised to a tuple so configs compare equal.
@@ -95,6 +101,8 @@ class PQLoraConfig:
             raise ValueError(f"gate_init: must be a finite number, got {self.gate_init!r}")
         if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed: must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.trains_global, bool):
+            raise ValueError(f"trains_global: must be true or false, got {self.trains_global!r}")
         object.__setattr__(self, "scaling", float(self.scaling))
         object.__setattr__(self, "gate_init", float(self.gate_init))
 

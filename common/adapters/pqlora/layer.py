@@ -4,6 +4,9 @@ For a frozen projection W_p with input h_I:
 
     h_O = W_p h_I + scaling * [ (1 - beta) * B (P_L A h_I + Q_L) + beta * B (P_G A h_I + Q_G) ]
 
+(With ``trains_global`` the local path is a personal LoRA inside ``W_p``'s layer, and the PQ path is the global
+one alone, trained: h_O = W_p h_I + scaling * beta * B (P A h_I + Q), P/Q held in P_L/Q_L.)
+
 A (r x d_in, orthonormal rows) and B (d_out x r, orthonormal columns) are frozen and drawn from a seed that
 depends only on the federation seed, the block index, the projection name and the layer's shape, so every client
 with the same base model rebuilds identical A/B without any communication. Only the r x r P and the r-vector Q
@@ -82,7 +85,16 @@ class PQLoraLinear(nn.Module):
     _gates: PQLoraGates
 
     def __init__(
-        self, base_layer: nn.Module, *, block: int, proj: str, r: int, scaling: float, seed: int, gates: PQLoraGates
+        self,
+        base_layer: nn.Module,
+        *,
+        block: int,
+        proj: str,
+        r: int,
+        scaling: float,
+        seed: int,
+        gates: PQLoraGates,
+        trains_global: bool = False,
     ) -> None:
         super().__init__()
         if not hasattr(base_layer, "in_features") or not hasattr(base_layer, "out_features"):
@@ -96,6 +108,7 @@ class PQLoraLinear(nn.Module):
         self.out_features = int(cast(int, base_layer.out_features))
         self.block, self.proj, self.r, self.scaling = block, proj, r, float(scaling)
         self.enabled = True
+        self.trains_global = trains_global
         first = next(base_layer.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
 
@@ -140,8 +153,11 @@ class PQLoraLinear(nn.Module):
         f32 = torch.float32
         beta = self._gates.beta(self.block).to(self.A.device, f32)
         # B (.) is linear, so both paths collapse into one r x r map and one r-vector: a single small matmul.
-        p = (1.0 - beta) * self.P_L.to(f32) + beta * self.P_G.to(f32)
-        q = (1.0 - beta) * self.Q_L.to(f32) + beta * self.Q_G.to(f32)
+        if self.trains_global:  # one trained PQ path (P_L holds it); the local path is a LoRA inside base_layer
+            p, q = beta * self.P_L.to(f32), beta * self.Q_L.to(f32)
+        else:
+            p = (1.0 - beta) * self.P_L.to(f32) + beta * self.P_G.to(f32)
+            q = (1.0 - beta) * self.Q_L.to(f32) + beta * self.Q_G.to(f32)
         u = x.to(f32) @ self.A.to(f32).T
         delta = (u @ p.T + q) @ self.B.to(f32).T
         return out + (self.scaling * delta).to(out.dtype)

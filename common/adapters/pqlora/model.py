@@ -83,7 +83,16 @@ def attach_pqlora(model: nn.Module, cfg: PQLoraConfig) -> nn.Module:
         parent_path, _, child = path.rpartition(".")
         parent = block.get_submodule(parent_path) if parent_path else block
         base = getattr(parent, child)
-        layer = PQLoraLinear(base, block=i, proj=proj, r=cfg.r, scaling=cfg.scaling, seed=cfg.seed, gates=gates)
+        layer = PQLoraLinear(
+            base,
+            block=i,
+            proj=proj,
+            r=cfg.r,
+            scaling=cfg.scaling,
+            seed=cfg.seed,
+            gates=gates,
+            trains_global=cfg.trains_global,
+        )
         setattr(parent, child, layer)
     return model
 
