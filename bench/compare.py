@@ -27,7 +27,7 @@ from bench.presets import PRESETS, Preset, preset, toml_value
 from bench.report import markdown_table, per_client_table, summarise, worst_by_round
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"  # the app's defaults
-ROW_KEYS = ("eval_loss", "exact_match", "rouge_l", "bytes_up", "bytes_down")
+ROW_KEYS = ("eval_loss", "exact_match", "rouge_l", "bytes_up", "bytes_down", "peak_rss_mb", "train_seconds")
 
 
 def split_outside_quotes(text: str, sep: str = ",") -> list[str]:

@@ -1,7 +1,8 @@
 """The comparison's report math, as pure functions over flat rows (one per strategy, seed, client and round).
 
 A row: ``{"strategy", "seed", "client", "round", "eval_loss", "exact_match", "rouge_l", "bytes_up", "bytes_down",
-"seconds"}`` (``seconds``: the round's wall time). A strategy is compared on its final round; "negative transfer"
+"seconds"}`` (``seconds``: the round's wall time), optionally ``"peak_rss_mb"`` (of the process that served the client)
+and ``"train_seconds"`` (its local training that round). A strategy is compared on its final round; "negative transfer"
 pairs each client with itself under the baseline (local-only training) and the same seed.
 """
 
@@ -82,6 +83,8 @@ class StrategySummary:
     bytes_up_per_round: Spread  # per client, averaged over training rounds
     bytes_down_per_round: Spread
     wall_seconds: Spread
+    peak_rss_mb: Spread  # the largest client process's peak resident memory in the run
+    train_seconds: Spread  # a client's local training per round, averaged over clients and rounds
 
 
 def strategies_in(rows: Sequence[Row]) -> list[str]:
@@ -96,7 +99,7 @@ def summarise(
     for strategy in strategies_in(rows):
         mine = [r for r in rows if r["strategy"] == strategy]
         seeds = sorted({r["seed"] for r in mine})
-        keys = ("mean", "worst", "gap", "count", "size", "em", "rl", "up", "down")
+        keys = ("mean", "worst", "gap", "count", "size", "em", "rl", "up", "down", "rss", "train")
         per: dict[str, list[float]] = {k: [] for k in keys}
         for seed in seeds:
             run = [r for r in mine if r["seed"] == seed]
@@ -111,6 +114,12 @@ def summarise(
             if trained:
                 per["up"].append(sum(r["bytes_up"] for r in trained) / len(trained))
                 per["down"].append(sum(r["bytes_down"] for r in trained) / len(trained))
+                train = [r["train_seconds"] for r in trained if r.get("train_seconds") is not None]
+                if train:
+                    per["train"].append(sum(train) / len(train))
+            rss = [r["peak_rss_mb"] for r in run if r.get("peak_rss_mb") is not None]
+            if rss:
+                per["rss"].append(max(rss))
             if baseline is not None and strategy != baseline:
                 base_rows = [r for r in rows if r["strategy"] == baseline and r["seed"] == seed]
                 if base_rows:
@@ -134,6 +143,8 @@ def summarise(
                 over_seeds(per["up"]),
                 over_seeds(per["down"]),
                 over_seeds(walls),
+                over_seeds(per["rss"]),
+                over_seeds(per["train"]),
             )
         )
     return out
@@ -151,6 +162,8 @@ COLUMNS = (
     ("KB up/client/round", "bytes_up_per_round", "{:.0f}", True),
     ("KB down", "bytes_down_per_round", "{:.0f}", True),
     ("wall s", "wall_seconds", "{:.0f}", True),
+    ("train s/client/round", "train_seconds", "{:.0f}", True),
+    ("peak RSS MB", "peak_rss_mb", "{:.0f}", True),
 )
 
 

@@ -141,3 +141,13 @@ def test_a_run_is_reused_only_with_the_settings_it_ran_with(tmp_path):
     assert "pqlora.blocks" not in resolved_settings("strategy='fedavg'")
     assert resolved_settings("run-dir='/a'") == resolved_settings("run-dir='/b'")  # where it writes is not what it is
     assert resolved_settings("strategy='local' local.adapter='pqlora'")["pqlora.blocks"] == 24
+
+
+def test_memory_is_the_largest_client_process_and_training_time_the_mean_per_client_round():
+    rows = rows_of("fedavg", 0, {0: [2.0, 2.0], 1: [1.0, 1.5]}) + rows_of("fedavg", 1, {0: [2.0, 2.0], 1: [1.0, 1.0]})
+    for row, rss, train in zip(rows, [900, 1000, 950, 1200, 800, 800, 700, 600], [None, None, 4, 6, None, None, 2, 2]):
+        row["peak_rss_mb"], row["train_seconds"] = rss, train
+    (summary,) = summarise(rows, baseline=None)
+    assert (summary.peak_rss_mb.mean, summary.peak_rss_mb.n) == (1000.0, 2)  # max per seed: 1200 and 800
+    assert summary.train_seconds.mean == 3.5  # seed 0: (4 + 6) / 2, seed 1: 2; round 0 does not train
+    assert "peak RSS MB" in markdown_table([summary]) and "1000 ± 283" in markdown_table([summary])
