@@ -82,6 +82,11 @@ def test_training_lowers_the_loss_and_saved_adapter_reloads(tiny, tiny_llama_dir
     assert metrics["train_examples"] == 60 and metrics["train_tokens"] > 0
 
     arrays = get_adapter_arrays(model)
+    train_round(model, tokenizer, EXAMPLES, TrainSection(local_steps=2, batch_size=4), lr=5e-3, seed=1)
+    # what was read is a copy: it must not follow the live weights (a client's "initial" adapter once did, so the
+    # next local-only client in the same process started from the previous client's training)
+    assert any(np.abs(arrays[k] - v).max() > 0 for k, v in get_adapter_arrays(model).items())
+    set_adapter_arrays(model, arrays)
     out = save_peft_adapter(arrays, LoraSection(r=4, alpha=8), str(tiny_llama_dir), tmp_path / "adapter")
     reloaded = PeftModel.from_pretrained(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), str(out))
     ids = torch.tensor([encode(tokenizer, EXAMPLES[0], 64).input_ids])
