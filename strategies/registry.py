@@ -79,6 +79,7 @@ def register(spec: StrategySpec) -> StrategySpec:
         taken = (
             set(RunConfig.model_fields)
             | set(ADAPTER_KINDS)
+            | {extra.key for kind in ADAPTER_KINDS.values() for extra in kind.extra_sections}
             | {s.section.key for s in REGISTRY.values() if s.section is not None and s.name != spec.name}
         )
         if not key or key.replace("-", "_") in taken or key in taken:

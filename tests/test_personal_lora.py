@@ -158,3 +158,23 @@ def test_a_dual_path_federation_sends_only_the_global_path(tiny_llama_dir, tmp_p
     assert all(loss[p, 2] < loss[p, 0] for p in range(3)), loss
     for p in range(3):
         assert (run_dir / "client-adapters" / f"partition-{p}" / "personal-lora" / "adapter_model.safetensors").exists()
+
+
+def test_no_strategy_can_take_the_personal_sections_key():
+    from pydantic import Field
+
+    from common.config import Section
+    from strategies.fedavg import FedAvgDual
+    from strategies.registry import REGISTRY, StrategySpec, register
+
+    class Clashing(FedAvgDual):
+        name = "clashing"
+
+    class ClashingSection(Section):
+        key = "personal"
+        r: int = Field(2)
+
+    spec = StrategySpec(name="clashing", server=Clashing, client=strategy_spec("fedavg").client, adapter="lora")
+    with pytest.raises(ValueError, match="'personal' is empty or taken"):
+        register(StrategySpec(**{**spec.__dict__, "section": ClashingSection}))
+    assert "clashing" not in REGISTRY
