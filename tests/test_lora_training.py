@@ -153,3 +153,16 @@ def test_node_memory_budget_caps_the_micro_batch():
     assert node_train_settings(settings, {"max-micro-batch": 16}).micro_batch_size == 4
     with pytest.raises(ValueError, match="max-micro-batch"):
         node_train_settings(settings, {"max-micro-batch": 0})
+
+
+def test_learning_rate_groups_must_cover_every_trainable_parameter_once(tiny):
+    model, tokenizer = tiny
+    params = [p for p in model.parameters() if p.requires_grad]
+    cfg = TrainSection(local_steps=1, batch_size=2)
+    with pytest.raises(ValueError, match="lr_groups"):
+        train_round(model, tokenizer, EXAMPLES, cfg, lr=1e-3, seed=0, lr_groups=[(params[1:], 1.0)])
+    with pytest.raises(ValueError, match="lr_groups"):
+        train_round(model, tokenizer, EXAMPLES, cfg, lr=1e-3, seed=0, lr_groups=[(params, 1.0), (params[:1], 2.0)])
+    frozen = {k: v.copy() for k, v in get_adapter_arrays(model).items()}
+    train_round(model, tokenizer, EXAMPLES, cfg, lr=1e-2, seed=0, lr_groups=[(params, 0.0)])  # a rate of 0: no step
+    assert all(np.array_equal(frozen[k], v) for k, v in get_adapter_arrays(model).items())
