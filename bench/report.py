@@ -162,7 +162,7 @@ COLUMNS = (
     ("KB up/client/round", "bytes_up_per_round", "{:.0f}", True),
     ("KB down", "bytes_down_per_round", "{:.0f}", True),
     ("wall s", "wall_seconds", "{:.0f}", True),
-    ("train s/client/round", "train_seconds", "{:.0f}", True),
+    ("train s/client/round", "train_seconds", "{:.1f}", True),
     ("peak RSS MB", "peak_rss_mb", "{:.0f}", True),
 )
 
