@@ -8,6 +8,8 @@ commas inside quotes are kept); ``--run-config`` adds overrides for every run. W
 ``compare.json`` (per strategy, seed, client and round: held-out loss, EM, ROUGE-L, bytes up/down, seconds),
 ``compare.md`` (mean ± spread over seeds per strategy, negative transfer against ``local``, the best per column in
 bold) and ``compare.png``. A run whose directory already holds a complete run with the same settings is reused.
+``--merge`` adds the runs of an earlier ``compare.json`` (same preset, budget, run config and strategies; other seeds,
+e.g. from another machine) to the report, which names the machine every seed ran on.
 """
 
 from __future__ import annotations
@@ -158,15 +160,68 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_report(out: Path, report: dict[str, Any]) -> None:
-    """``compare.json``, ``compare.md`` and ``compare.png`` from the collected rows."""
+MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline")
+
+
+def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Check that the earlier report at ``path`` compared the same thing on other seeds; return what to add.
+
+    Raises SystemExit naming the first difference (a setting, the strategies, or a seed run in both).
+    """
+    earlier = json.loads(path.read_text())
+    for key in MERGE_KEYS:
+        if earlier.get(key) != report[key]:
+            raise SystemExit(f"--merge {path}: {key} differs ({earlier.get(key)!r} there, {report[key]!r} here)")
+    if earlier["strategies"] != report["strategies"]:
+        raise SystemExit(f"--merge {path}: the strategies differ ({[s['label'] for s in earlier['strategies']]})")
+    both = sorted(set(earlier["seeds"]) & set(report["seeds"]))
+    if both:
+        raise SystemExit(f"--merge {path}: seeds {both} are in --seeds too (run each seed once)")
+    return {
+        "path": str(path),
+        "seeds": earlier["seeds"],
+        "machine": earlier["machine"],
+        "runs": earlier["runs"],
+        "rows": earlier["rows"],
+    }
+
+
+def with_merged(report: dict[str, Any], merged: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report with the merged runs and rows added, and the machine of every seed."""
+    seeds = {s: report["machine"] for s in report["seeds"]}
+    for m in merged:
+        seeds.update({s: m["machine"] for s in m["seeds"]})
+    return {
+        **report,
+        "seeds": sorted(seeds),
+        "machines": {str(s): seeds[s] for s in sorted(seeds)},
+        "merged_from": [m["path"] for m in merged],
+        "runs": [r for m in merged for r in m["runs"]] + report["runs"],
+        "rows": [r for m in merged for r in m["rows"]] + report["rows"],
+    }
+
+
+def machine_line(report: dict[str, Any]) -> str:
+    """Which machine ran which seeds, for the markdown report."""
+    by_machine: dict[str, list[int]] = {}
+    for seed, m in report.get("machines", {str(s): report["machine"] for s in report["seeds"]}).items():
+        name = f"{m['cpu']}, {m['cores']} cores, AVX512-BF16 {m['avx512_bf16']}, CUDA {m['cuda']}"
+        by_machine.setdefault(name, []).append(int(seed))
+    if len(by_machine) == 1:
+        return f"Machine: {next(iter(by_machine))}."
+    return "Machines: " + "; ".join(f"seeds {seeds} on {name}" for name, seeds in by_machine.items()) + "."
+
+
+def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]] | None = None) -> None:
+    """``compare.json``, ``compare.md`` and ``compare.png`` from the collected rows (and any merged reports')."""
+    if merged:
+        report = with_merged(report, merged)
     rows = report["rows"]
     labels = [s["label"] for s in report["strategies"]]
     baseline = report["baseline"] if report["baseline"] in labels else None
     walls = {(r["strategy"], r["seed"]): r["wall_seconds"] for r in report["runs"] if r.get("ok")}
     summaries = summarise(rows, baseline, walls)
     (out / "compare.json").write_text(json.dumps(report, indent=1))
-    m = report["machine"]
     failed = [f"{r['strategy']} seed {r['seed']}: {r['error']}" for r in report["runs"] if not r.get("ok")]
     text = [
         f"# Comparison: preset `{report['preset']}`",
@@ -175,7 +230,7 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
         "",
         f"Budget: {report['clients']} clients, {report['rounds']} rounds; seeds {report['seeds']}. Run config: "
         f"`{report['common_config']}`.",
-        f"Machine: {m['cpu']}, {m['cores']} cores, AVX512-BF16 {m['avx512_bf16']}, CUDA {m['cuda']}.",
+        machine_line(report),
         "",
         "Final held-out loss (lower is better) and the rest, mean ± spread (sample std) over seeds; best per column "
         "in bold. 'worst vs local': worst-client loss minus the baseline's worst, same seed (< 0: better than "
@@ -255,6 +310,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="runs/compare", help="the report directory")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds one run may take")
     parser.add_argument("--baseline", default="local", help="the --strategies item negative transfer is against")
+    parser.add_argument(
+        "--merge", action="append", default=[], help="an earlier compare.json whose runs (other seeds) join the report"
+    )
     args = parser.parse_args(argv)
 
     from deploy.local_sim import flwr_run, prepare_home, stop_superlink
@@ -282,6 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": [],
         "rows": [],
     }
+    merged = [merge_report(report, Path(path)) for path in args.merge]
     total = len(strategies) * len(seeds)
     try:
         # seed by seed: a comparison stopped early still has every strategy on the same seeds
@@ -312,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["rows"] += rows
             report["runs"].append(run)
             print(progress_line(i, total, run, rows, rounds), flush=True)
-            write_report(out, report)  # after every run: a long comparison can be read while it goes on
+            write_report(out, report, merged)  # after every run: a long comparison can be read while it goes on
     finally:
         stop_superlink(home)
     print(f"[compare] report: {out / 'compare.md'}", flush=True)

@@ -9,7 +9,18 @@ import re
 
 import pytest
 
-from bench.compare import PYPROJECT, parse_strategy, resolved_settings, run_config, run_problem, split_outside_quotes
+from bench.compare import (
+    PYPROJECT,
+    machine_line,
+    merge_report,
+    parse_strategy,
+    resolved_settings,
+    run_config,
+    run_problem,
+    split_outside_quotes,
+    with_merged,
+    write_report,
+)
 from bench.presets import PRESETS, preset, toml_value
 from bench.report import (
     best_by_column,
@@ -151,3 +162,52 @@ def test_memory_is_the_largest_client_process_and_training_time_the_mean_per_cli
     assert (summary.peak_rss_mb.mean, summary.peak_rss_mb.n) == (1000.0, 2)  # max per seed: 1200 and 800
     assert summary.train_seconds.mean == 3.5  # seed 0: (4 + 6) / 2, seed 1: 2; round 0 does not train
     assert "peak RSS MB" in markdown_table([summary]) and "1000 ± 283" in markdown_table([summary])
+
+
+def _report(seeds: list[int], cpu: str, common: str = "train.local-steps=8") -> dict:
+    rows = [r for s in seeds for r in rows_of("fedavg", s, {0: [2.0, 2.0], 1: [1.0 + s, 1.5]})]
+    return {
+        "preset": "tasks-distinct",
+        "about": "a test",
+        "clients": 2,
+        "rounds": 1,
+        "common_config": common,
+        "baseline": "local",
+        "strategies": [{"label": "fedavg", "name": "fedavg", "overrides": ""}],
+        "seeds": seeds,
+        "machine": {"cpu": cpu, "cores": 2, "avx512_bf16": cpu == "B", "cuda": None},
+        "runs": [{"strategy": "fedavg", "seed": s, "ok": True, "wall_seconds": 1.0} for s in seeds],
+        "rows": rows,
+    }
+
+
+def test_merged_seeds_join_the_summary_and_name_their_machine(tmp_path):
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(_report([0, 1], "A")))
+    here = _report([2], "B")
+    merged = with_merged(here, [merge_report(here, path)])
+    assert merged["seeds"] == [0, 1, 2] and len(merged["rows"]) == 3 * len(here["rows"])
+    (summary,) = summarise(merged["rows"], None, {})
+    assert summary.worst_loss.mean == pytest.approx((1.5 + 2.0 + 3.0) / 3)  # seeds 0, 1 from the file, 2 from here
+    assert machine_line(merged) == (
+        "Machines: seeds [0, 1] on A, 2 cores, AVX512-BF16 False, CUDA None; seeds [2] on B, 2 cores, "
+        "AVX512-BF16 True, CUDA None."
+    )
+    write_report(tmp_path, here, [merge_report(here, path)])
+    assert "seeds [0, 1] on A" in (tmp_path / "compare.md").read_text()
+    assert json.loads((tmp_path / "compare.json").read_text())["seeds"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "earlier, message",
+    [
+        (_report([0], "A", common="train.local-steps=4"), "common_config differs"),
+        (_report([2], "A"), "seeds [2] are in --seeds too"),
+        ({**_report([0], "A"), "strategies": []}, "the strategies differ"),
+    ],
+)
+def test_a_report_that_compared_something_else_is_not_merged(tmp_path, earlier, message):
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(earlier))
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        merge_report(_report([2], "B"), path)

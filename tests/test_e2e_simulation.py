@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.config import SecAggSection
 from deploy.local_sim import flwr_run, prepare_home, stop_superlink
+from strategies.aggregation import secagg_error_bound
 
 pytestmark = pytest.mark.e2e
 
@@ -42,16 +44,30 @@ def assert_every_client_improved(rows: list[dict], last_round: int) -> None:
     assert len({row["tasks"] for row in first.values()}) == 3  # three distinct task mixes
 
 
+def global_adapter(run_dir: Path) -> dict[str, np.ndarray]:
+    """The global adapter of the run's last checkpointed round."""
+    from server_app.rundir import RunDirectory
+
+    loaded = RunDirectory(run_dir).load_checkpoint()
+    assert loaded is not None, f"no checkpoint in {run_dir}"
+    return loaded[1]["global"]
+
+
 @pytest.fixture(scope="module")
 def plain_run(flwr_home, tmp_path_factory):
+    """Two plain rounds, run as one round and a resumed second, keeping the round-1 global adapter (the secure
+    test compares its own round 1 with it)."""
     run_dir = tmp_path_factory.mktemp("plain") / "run"
-    proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=2 run-dir='{run_dir}'")
+    proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=1 run-dir='{run_dir}'")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return run_dir, proc
+    round_one = global_adapter(run_dir)
+    proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=2 resume=true run-dir='{run_dir}'")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return run_dir, proc, round_one
 
 
 def test_fedavg_plain_trains_every_client_and_saves_a_loadable_adapter(plain_run):
-    run_dir, proc = plain_run
+    run_dir, proc, _ = plain_run
     rows = read_metrics(run_dir)
     assert sorted({r["round"] for r in rows}) == [0, 1, 2]
     assert_every_client_improved(rows, 2)
@@ -86,7 +102,7 @@ def test_fedavg_plain_trains_every_client_and_saves_a_loadable_adapter(plain_run
 
 
 def test_resume_continues_after_the_last_completed_round(plain_run, flwr_home):
-    run_dir, _ = plain_run
+    run_dir, _, _ = plain_run
     before = read_metrics(run_dir)
     proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=3 resume=true run-dir='{run_dir}'")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -98,19 +114,23 @@ def test_resume_continues_after_the_last_completed_round(plain_run, flwr_home):
 
 def test_fedavg_secure_matches_plain(plain_run, flwr_home, tmp_path):
     run_dir = tmp_path / "secure"
-    # One round (CI time): the plain run's round 1 used the same seeds, data and learning rate (num-server-rounds
-    # only shapes the cosine decay, which starts at the full rate in round 1 either way).
+    # One round with the plain run's seeds, data and learning rate (num-server-rounds only shapes the cosine decay,
+    # which starts at the full rate in round 1 either way): the members' updates are the plain run's.
     proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=1 secure=true min-train-replies=3 run-dir='{run_dir}'")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SecAgg+" in proc.stdout + proc.stderr
     rows = read_metrics(run_dir)
     assert_every_client_improved(rows, 1)
-    # Same seeds, same data: the secure run's round-1 evaluation matches the plain run's up to quantisation noise.
-    plain = {r["partition_id"]: r["eval_loss"] for r in per_node(read_metrics(plain_run[0]), 1).values()}
-    secure = {r["partition_id"]: r["eval_loss"] for r in per_node(rows, 1).values()}
-    assert plain.keys() == secure.keys()
-    for pid in plain:
-        assert abs(plain[pid] - secure[pid]) < 0.02, (pid, plain[pid], secure[pid])
+    # The aggregate equals the plain one up to SecAgg+'s quantisation. Every member trained the same number of
+    # examples, so each weight is 1 (max_weight = examples per round). Held-out losses are not compared: on a CPU
+    # with AVX512-BF16 evaluation runs the packed bf16 kernel, where a difference of one quantisation step can
+    # flip roundings and move a 6-example loss by a few hundredths.
+    secure, plain = global_adapter(run_dir), plain_run[2]
+    assert secure.keys() == plain.keys()
+    bound = secagg_error_bound([1.0, 1.0, 1.0], SecAggSection().clipping_range, SecAggSection().quantization_range)
+    worst = max(float(np.abs(secure[k] - plain[k]).max()) for k in plain)
+    assert worst <= bound, (worst, bound)
+    assert max(float(np.abs(plain[k]).max()) for k in plain if "lora_B" in k) > 100 * bound  # a real update
 
 
 def test_invalid_config_fails_before_round_one_naming_the_key(flwr_home, tmp_path):
