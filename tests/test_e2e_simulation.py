@@ -30,15 +30,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def per_node(rows: list[dict], server_round: int) -> dict[int, dict]:
-    return {r["node"]: r for r in rows if r["round"] == server_round and r["node"] is not None}
+def per_client(rows: list[dict], server_round: int) -> dict[int, dict]:
+    """A round's client rows keyed by partition id (node ids are new after a resume, partitions are not)."""
+    return {r["partition_id"]: r for r in rows if r["round"] == server_round and r["node"] is not None}
 
 
 def assert_every_client_improved(rows: list[dict], last_round: int) -> None:
-    first, last = per_node(rows, 0), per_node(rows, last_round)
+    first, last = per_client(rows, 0), per_client(rows, last_round)
     assert len(first) == 3 and set(first) == set(last)
-    for node, row in first.items():
-        assert last[node]["eval_loss"] < row["eval_loss"], (
+    for partition, row in first.items():
+        assert last[partition]["eval_loss"] < row["eval_loss"], (
             f"client {row['partition_id']} ({row['tasks']}): loss did not fall"
         )
     assert len({row["tasks"] for row in first.values()}) == 3  # three distinct task mixes
@@ -74,7 +75,7 @@ def test_fedavg_plain_trains_every_client_and_saves_a_loadable_adapter(plain_run
     for row in rows:
         for key in ("round", "node", "eval_loss", "exact_match", "rouge_l", "bytes_up", "bytes_down", "seconds"):
             assert key in row, key
-    trained = per_node(rows, 1)
+    trained = per_client(rows, 1)
     assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 and r["accepted"] for r in trained.values())
     # the base model was loaded once per client process, however many rounds and virtual clients it served
     loads: dict[int, int] = {}
