@@ -16,11 +16,24 @@ def pyplot():
     return plt
 
 
-def client_label(rows: list[dict[str, Any]], node: int) -> str:
-    """``partition (tasks)`` for a node, from the rows it reported; the node id if it never reported."""
-    tasks = next((r.get("tasks") for r in rows if r["node"] == node and r.get("tasks")), None)
-    pid = next((r.get("partition_id") for r in rows if r["node"] == node and r.get("partition_id") is not None), None)
-    return f"{pid} ({tasks})" if pid is not None else str(node)
+def client_key(row: dict[str, Any]) -> int | None:
+    """Which line a client row belongs to: its partition (a resumed simulation gives clients new node ids, the same
+    partitions), else its node; None for the aggregate row."""
+    if row.get("node") is None:
+        return None
+    partition = row.get("partition_id")
+    return int(partition) if partition is not None else int(row["node"])
+
+
+def client_keys(rows: list[dict[str, Any]]) -> list[int]:
+    """The clients' keys (see ``client_key``) in the rows, sorted; the aggregate left out."""
+    return sorted({key for key in map(client_key, rows) if key is not None})
+
+
+def client_label(rows: list[dict[str, Any]], key: int) -> str:
+    """``partition (tasks)`` for a client key (see ``client_key``), from the rows it reported."""
+    tasks = next((r.get("tasks") for r in rows if client_key(r) == key and r.get("tasks")), None)
+    return f"{key} ({tasks})" if tasks else str(key)
 
 
 def integer_rounds(ax) -> None:
@@ -44,11 +57,12 @@ def eval_loss(rows: list[dict[str, Any]], out: Path) -> Path:
     plt = pyplot()
     rows = [r for r in rows if r.get("eval_loss") is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for node in sorted({r["node"] for r in rows}, key=lambda n: (n is None, n or 0)):
-        mine = sorted((r["round"], r["eval_loss"]) for r in rows if r["node"] == node)
-        label = "aggregate" if node is None else f"client {client_label(rows, node)}"
+    aggregate: list[int | None] = [None] if any(r["node"] is None for r in rows) else []
+    for key in [*client_keys(rows), *aggregate]:
+        mine = sorted((r["round"], r["eval_loss"]) for r in rows if client_key(r) == key)
+        label = "aggregate" if key is None else f"client {client_label(rows, key)}"
         ax.plot(
-            [m[0] for m in mine], [m[1] for m in mine], marker="o", label=label, linewidth=2.5 if node is None else 1.2
+            [m[0] for m in mine], [m[1] for m in mine], marker="o", label=label, linewidth=2.5 if key is None else 1.2
         )
     integer_rounds(ax)
     ax.set_ylabel("held-out loss (answer tokens)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from server_app.plots import client_label, integer_rounds, pyplot, save
+from server_app.plots import client_key, client_keys, client_label, integer_rounds, pyplot, save
 
 
 def relevance(server_round: int, row: dict[str, Any], out: Path) -> Path:
@@ -46,14 +46,14 @@ def gates(rows: list[dict[str, Any]], out: Path) -> Path:
     plt = pyplot()
     rows = [r for r in rows if r.get("node") is not None and r.get("beta")]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for node in sorted({r["node"] for r in rows}):
-        mine = sorted((r["round"], r["beta"]) for r in rows if r["node"] == node)
+    for key in client_keys(rows):
+        mine = sorted((r["round"], r["beta"]) for r in rows if client_key(r) == key)
         for block in range(len(mine[0][1])):
             ax.plot(
                 [m[0] for m in mine],
                 [m[1][block] for m in mine],
                 marker=".",
-                label=f"client {client_label(rows, node)} block {block}",
+                label=f"client {client_label(rows, key)} block {block}",
             )
     integer_rounds(ax)
     ax.set_ylabel("beta (global share)")
