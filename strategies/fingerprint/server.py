@@ -1,0 +1,189 @@
+"""The server half shared by ATLAS and MIRA: reading fingerprint reports, keeping the newest per client, and the
+PCA of each base-model family's fingerprints.
+
+Fingerprints of different base models are never compared (their adapters differ in shape and their gradients in
+meaning): every computation here is per family (``strategies.fedavg.family_key``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from common.logs import get_logger
+from common.records import metric_list
+
+from ..base import MIN_SECURE_GROUP, Arrays, ClientInfo, Strategy
+from ..fedavg.server import family_key
+from .pca import LOW_EXPLAINED_VARIANCE, Reduced, reduce_fingerprints
+
+log = get_logger("tessera.server")
+
+MAX_FINGERPRINT_SIZE = 1 << 16
+MAX_FINGERPRINT_ABS = 1e6
+
+
+@dataclass
+class FingerprintReport:
+    """A client's report: its fingerprint, the gradient norm of each adapted layer, its task names."""
+
+    fingerprint: np.ndarray
+    layer_names: list[str]
+    importance: np.ndarray
+    tasks: str
+
+
+def read_fingerprint(arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
+    """A finite 1-D fingerprint within bounds and one finite, non-negative importance per named layer."""
+    fingerprint = arrays.get("fingerprint")
+    if fingerprint is None:
+        raise ValueError("report lacks the 'fingerprint' array")
+    if fingerprint.ndim != 1 or not 0 < fingerprint.size <= MAX_FINGERPRINT_SIZE:
+        raise ValueError(
+            f"fingerprint must be a vector of 1 to {MAX_FINGERPRINT_SIZE} numbers, got {fingerprint.shape}"
+        )
+    with np.errstate(over="ignore", invalid="ignore"):
+        fingerprint = np.asarray(fingerprint, dtype=np.float64)
+    if not np.all(np.isfinite(fingerprint)):
+        raise ValueError("fingerprint contains NaN or Inf")
+    if np.abs(fingerprint).max() > MAX_FINGERPRINT_ABS:
+        raise ValueError(f"fingerprint values must be within +-{MAX_FINGERPRINT_ABS:g}")
+    names = [str(n) for n in metric_list(metrics.get("layer_names"), str)]
+    try:
+        importance = np.asarray(metric_list(metrics.get("layer_importance")), dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"layer_importance must be numbers, got {metrics.get('layer_importance')!r}") from None
+    if not names or importance.shape != (len(names),):
+        raise ValueError(f"layer_importance must give one number for each of the {len(names)} layer_names")
+    if not np.all(np.isfinite(importance)) or np.any(importance < 0):
+        raise ValueError("layer_importance must be finite and non-negative")
+    return FingerprintReport(fingerprint, names, importance, str(metrics.get("tasks", "")))
+
+
+class FingerprintStrategy(Strategy):
+    """Bookkeeping for a strategy whose server half asks clients for task fingerprints.
+
+    Subclasses set ``refresh_every`` (0: fingerprints once, in round 1) and implement ``regroup``, called after
+    every round whose reports arrived, with the families whose fingerprints changed.
+
+    Attributes:
+        partition_of, model_of: per node id, its partition id and base model.
+        family_of_partition: per partition id, its model family.
+        initial: per family, the initial adapter (what every client of it starts from).
+        reports: per partition id, its newest valid fingerprint report.
+        reduced: per family, the PCA of its clients' fingerprints (in ``family_members`` order).
+    """
+
+    wants_reports = True
+    refresh_every: int = 0
+    dim: int = 64
+    seed: int = 0
+    secure: bool = False
+    label: ClassVar[str] = "fingerprint"
+
+    def __init__(self) -> None:
+        self.partition_of: dict[int, int] = {}
+        self.model_of: dict[int, str] = {}
+        self.family_of_partition: dict[int, str] = {}
+        self.model_of_family: dict[str, str] = {}
+        self.initial: dict[str, Arrays] = {}
+        self.reports: dict[int, FingerprintReport] = {}
+        self.reduced: dict[str, Reduced] = {}
+        self.members: dict[str, list[int]] = {}  # family -> partition ids with a fingerprint, sorted
+
+    def initialise(self, clients: dict[int, ClientInfo]) -> None:
+        for nid, info in sorted(clients.items()):
+            family = family_key(info.model)
+            if family in self.initial and {k: v.shape for k, v in info.initial.items()} != {
+                k: v.shape for k, v in self.initial[family].items()
+            }:
+                raise ValueError(f"{self.name}: node {nid}'s adapter differs from its model family's (another lora.*?)")
+            self.partition_of[nid] = info.partition_id
+            self.model_of[nid] = info.model
+            self.family_of_partition[info.partition_id] = family
+            self.model_of_family.setdefault(family, info.model)
+            self.initial.setdefault(family, {k: v.copy() for k, v in info.initial.items()})
+        if self.secure:
+            sizes: dict[str, int] = {}
+            for family in self.family_of_partition.values():
+                sizes[family] = sizes.get(family, 0) + 1
+            small = {f: n for f, n in sorted(sizes.items()) if n < MIN_SECURE_GROUP}
+            if small:
+                raise ValueError(
+                    f"secure=true: model families {small} have fewer than {MIN_SECURE_GROUP} clients; {self.name} "
+                    f"groups clients within a base model, so SecAgg+ would leak their updates"
+                )
+
+    def wants_report(self, server_round: int) -> bool:
+        if server_round == 1 or not self.members:
+            return True
+        return self.refresh_every > 0 and (server_round - 1) % self.refresh_every == 0
+
+    def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
+        return read_fingerprint(arrays, metrics)
+
+    def observe_reports(self, server_round: int, reports: dict[int, FingerprintReport]) -> dict[int, str]:
+        left_out: dict[int, str] = {}
+        fresh: dict[str, dict[int, FingerprintReport]] = {}
+        for nid, report in reports.items():
+            if nid in self.partition_of:
+                fresh.setdefault(self.family_of_partition[self.partition_of[nid]], {})[nid] = report
+        for _family, family_reports in sorted(fresh.items()):
+            # comparable only with the same sketch and layers: the layout most of the family sent wins
+            layouts = [(r.fingerprint.size, tuple(r.layer_names)) for r in family_reports.values()]
+            common = max(set(layouts), key=layouts.count)
+            for nid, report in family_reports.items():
+                if (report.fingerprint.size, tuple(report.layer_names)) != common:
+                    left_out[nid] = (
+                        f"fingerprint has {report.fingerprint.size} numbers over {len(report.layer_names)} layers, "
+                        f"the family's others {common[0]} over {len(common[1])}"
+                    )
+                else:
+                    self.reports[self.partition_of[nid]] = report
+        families = sorted(fresh)
+        for family in families:
+            members = sorted(p for p, f in self.family_of_partition.items() if f == family and p in self.reports)
+            self.members[family] = members
+            if len(members) < 2:
+                self.reduced.pop(family, None)
+                continue
+            points = np.stack([self.reports[p].fingerprint for p in members])
+            reduced = reduce_fingerprints(points, self.dim, self.seed)
+            self.reduced[family] = reduced
+            log.info(
+                "round %d: %s fingerprints of %d clients (%s): PCA to %d dims explains %.3f of the variance",
+                server_round,
+                self.label,
+                len(members),
+                family,
+                reduced.points.shape[1],
+                reduced.explained_variance,
+            )
+            if reduced.explained_variance < LOW_EXPLAINED_VARIANCE:
+                log.warning(
+                    "round %d: low explained variance %.2f (< %.1f) for %s: the fingerprints carry a weak signal",
+                    server_round,
+                    reduced.explained_variance,
+                    LOW_EXPLAINED_VARIANCE,
+                    family,
+                )
+        self.regroup(server_round, families)
+        return left_out
+
+    def regroup(self, server_round: int, families: list[str]) -> None:
+        """Rebuild the strategy's structure (clusters, adjacency) for these families from ``self.reduced``."""
+        raise NotImplementedError
+
+    def family_report(self) -> dict[str, Any]:
+        """Per family: its clients, their tasks, and the PCA's explained variance and points (for the plots)."""
+        return {
+            family: {
+                "partitions": members,
+                "tasks": [self.reports[p].tasks for p in members],
+                "explained_variance": self.reduced[family].explained_variance if family in self.reduced else None,
+                "points": self.reduced[family].points[:, :2].round(6).tolist() if family in self.reduced else [],
+            }
+            for family, members in sorted(self.members.items())
+        }

@@ -1,0 +1,90 @@
+"""MIRA's server math as pure functions: the RBF adjacency of task fingerprints and the graph-Laplacian step.
+
+W_k <- W_k - eta * sum_l a_kl (W_k - W_l), with a_kl = exp(-alpha ||f_k - f_l||^2), a_kk = 0, rows summing to 1.
+Because the rows sum to 1 the step is a mix: W_k <- (1 - eta) W_k + eta * sum_l a_kl W_l. In plaintext the server
+sees every W_l and the neighbour term is exact; in secure mode it sees only group means, and the neighbour term
+is client k's adjacency summed per group times the group means (``strategies.simgrad.relevance.mix_group_means``).
+NumPy in, NumPy out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+
+def squared_distances(fingerprints: np.ndarray) -> np.ndarray:
+    """||f_k - f_l||^2 for every pair of rows (n x n, exact zeros on the diagonal)."""
+    x = np.asarray(fingerprints, dtype=np.float64)
+    diff = x[:, None, :] - x[None, :, :]
+    return np.einsum("ijk,ijk->ij", diff, diff)
+
+
+def median_alpha(fingerprints: np.ndarray) -> float:
+    """``mira.alpha = "median"``: 1 / the median squared distance between distinct clients (the usual RBF
+    bandwidth heuristic: a typical pair gets a_kl = exp(-1)); 1.0 if every pair coincides."""
+    d = squared_distances(fingerprints)
+    off = d[~np.eye(d.shape[0], dtype=bool)]
+    med = float(np.median(off)) if off.size else 0.0
+    return 1.0 / med if med > 0 else 1.0
+
+
+def rbf_adjacency(fingerprints: np.ndarray, alpha: float) -> np.ndarray:
+    """a_kl = exp(-alpha ||f_k - f_l||^2) for k != l, a_kk = 0 (the raw, symmetric adjacency)."""
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    a = np.exp(-alpha * squared_distances(fingerprints))
+    np.fill_diagonal(a, 0.0)
+    return a
+
+
+def normalised_adjacency(fingerprints: np.ndarray, alpha: float) -> np.ndarray:
+    """``rbf_adjacency`` with rows scaled to sum to 1, computed as a softmax of -alpha ||f_k - f_l||^2 over l != k
+    (the same numbers, without exp underflowing to an all-zero row when alpha * distance is large). A single
+    client has no neighbours: its row is zero and the Laplacian step leaves it as it is."""
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    logits = -alpha * squared_distances(fingerprints)
+    n = logits.shape[0]
+    if n < 2:
+        return np.zeros((n, n))
+    np.fill_diagonal(logits, -np.inf)
+    logits -= logits.max(axis=1, keepdims=True)
+    a = np.exp(logits)
+    return a / a.sum(axis=1, keepdims=True)
+
+
+def laplacian_step(adapters: Sequence[Arrays], adjacency: np.ndarray, eta: float) -> list[Arrays]:
+    """W_k - eta * sum_l a_kl (W_k - W_l) for every client k and array name (float64 math, float32 out).
+
+    ``adjacency`` is the row-normalised one; eta = 0 returns every adapter unchanged.
+    """
+    a = np.asarray(adjacency, dtype=np.float64)
+    n = len(adapters)
+    if a.shape != (n, n):
+        raise ValueError(f"adjacency {a.shape} for {n} adapters")
+    out: list[Arrays] = []
+    for k in range(n):
+        mixed = {}
+        for name, value in adapters[k].items():
+            own = np.asarray(value, dtype=np.float64)
+            pull = sum(a[k, j] * (own - np.asarray(adapters[j][name], dtype=np.float64)) for j in range(n))
+            mixed[name] = (own - eta * pull).astype(np.float32)
+        out.append(mixed)
+    return out
+
+
+def apply_step(own: Arrays, neighbours: Arrays, eta: float) -> Arrays:
+    """(1 - eta) W_k + eta N_k: the Laplacian step on the client, from its own adapter and the neighbour term
+    N_k = sum_l a_kl W_l the server sent (no neighbours: unchanged). Equals ``laplacian_step`` when N_k is exact."""
+    if not neighbours:
+        return {k: np.asarray(v, dtype=np.float32) for k, v in own.items()}
+    return {
+        k: ((1 - eta) * np.asarray(v, dtype=np.float64) + eta * np.asarray(neighbours[k], dtype=np.float64)).astype(
+            np.float32
+        )
+        for k, v in own.items()
+    }
