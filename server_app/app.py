@@ -90,7 +90,9 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     for server_round in range(first_round, cfg.num_server_rounds + 1):
         started = time.perf_counter()
         node_ids = _admit_new_nodes(grid, cfg, strategy, clients, refused, sorted(grid.get_node_ids()) or node_ids)
-        report_rows = _collect_reports(grid, cfg, strategy, server_round, node_ids) if strategy.wants_reports else {}
+        report_rows = (
+            _collect_reports(grid, cfg, strategy, server_round, node_ids) if strategy.wants_report(server_round) else {}
+        )
         results = _train_round(grid, context, cfg, strategy, server_round, node_ids)
         accepted = sum(len(r.contributors) for r in results)
         if accepted < cfg.min_train_replies:

@@ -52,6 +52,42 @@ def save(fig, out: Path) -> Path:
     return out
 
 
+def heatmap_pair(
+    matrices: list[Any],
+    titles: list[str],
+    labels: list[str],
+    title: str,
+    out: Path,
+    limits: list[tuple[float, float]] | None = None,
+    boundaries: list[int] | None = None,
+) -> Path:
+    """Square matrices side by side, every cell annotated, rows and columns labelled alike (relevance, adjacency).
+
+    ``limits``: each panel's colour range (default: its own min and max); ``boundaries``: a cluster label per row,
+    drawn as lines between consecutive rows of different clusters (rows must be ordered by cluster to read well).
+    """
+    import numpy as np
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(matrices), figsize=(4.5 * len(matrices), 4), squeeze=False)
+    for index, (ax, values, panel) in enumerate(zip(axes[0], matrices, titles)):
+        matrix = np.asarray(values if len(values) else [[np.nan]], dtype=float)
+        low, high = limits[index] if limits else (float(np.nanmin(matrix)), float(np.nanmax(matrix)))
+        image = ax.imshow(matrix, vmin=low, vmax=high, cmap="viridis")
+        for (i, j), value in np.ndenumerate(matrix):
+            colour = "white" if value < (low + high) / 2 else "black"
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color=colour)
+        ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=90)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        for edge in [i + 0.5 for i in range(len(boundaries or []) - 1) if boundaries[i] != boundaries[i + 1]]:
+            ax.axhline(edge, color="red", linewidth=1.5)
+            ax.axvline(edge, color="red", linewidth=1.5)
+        ax.set_title(panel, fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.suptitle(title, fontsize=10)
+    return save(fig, out)
+
+
 def eval_loss(rows: list[dict[str, Any]], out: Path) -> Path:
     """Held-out loss per client and the example-weighted aggregate, by round."""
     plt = pyplot()

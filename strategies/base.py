@@ -124,7 +124,8 @@ class Strategy(ABC):
 
     Attributes:
         name: the run-config value that selects the strategy (its registry entry).
-        wants_reports: True if the ServerApp must ask every client for a report each round, before training.
+        wants_reports: True if the ServerApp must ask every client for a report before training (every round unless
+            ``wants_report`` says otherwise).
         reply_metrics: train-reply metrics the client half adds, copied into the per-node rows of metrics.jsonl
             (name -> element type of a list metric, or None for a number).
         aggregates: False for a strategy whose groups send the server no adapter (local-only training): its
@@ -145,6 +146,11 @@ class Strategy(ABC):
     def initialise(self, clients: dict[int, ClientInfo]) -> None:
         """Add clients (node id -> info): those connected before round 1, and later any node that joins (a restarted
         SuperNode has a new node id). Raises ValueError if they cannot take part (e.g. incompatible adapters)."""
+
+    def wants_report(self, server_round: int) -> bool:
+        """Whether the ServerApp asks every client for a report before this round's training (default:
+        ``wants_reports``, every round; fingerprint strategies ask only on the rounds they re-cluster)."""
+        return self.wants_reports
 
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> Any:
         """Validate and decode one client's report (raise ValueError with the reason to leave it out)."""

@@ -55,3 +55,13 @@ class StrategyClient:
     def save(self, rt: ClientRuntime, out_dir: Path) -> Path | None:
         """The client's own copy of its final adapter, where the server's lacks parts (default: the kind decides)."""
         return rt.adapter.save(out_dir, rt.model_name)
+
+
+def save_whole_adapter(rt: ClientRuntime, out_dir: Path) -> Path | None:
+    """Save the adapter attached now as a whole (PEFT for LoRA): for strategies whose adapters live only on the
+    clients (local-only, MIRA), so the client's copy is the only one."""
+    own = rt.adapter.save(out_dir, rt.model_name)
+    if own is not None:
+        return own
+    arrays, _ = rt.adapter.outgoing(None)
+    return type(rt.adapter).save_server_copy(arrays, rt.cfg, rt.model_name, out_dir)

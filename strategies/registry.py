@@ -30,6 +30,7 @@ class StrategySpec:
         section: its run-config section (``section.key`` is the prefix of its keys), or None.
         adapter_from: for a strategy that trains any kind (the local-only baseline), the kind a run config picks;
             None: always ``adapter``.
+        shared_sections: sections it shares with other strategies (ATLAS's and MIRA's ``fingerprint.*``).
     """
 
     name: str
@@ -38,6 +39,7 @@ class StrategySpec:
     adapter: str
     section: type[Section] | None = None
     adapter_from: Callable[[RunConfig], str] | None = None
+    shared_sections: tuple[type[Section], ...] = ()
 
     def adapter_for(self, cfg: RunConfig) -> str:
         """The adapter kind a run of this strategy trains."""
@@ -49,7 +51,7 @@ class StrategySpec:
 
         kind = adapter_kind(self.adapter_for(cfg))
         own = [self.section] if self.section is not None else []
-        return [kind.section, *kind.extra_sections, *own]
+        return [kind.section, *kind.extra_sections, *own, *self.shared_sections]
 
     def state_keys(self, cfg: RunConfig) -> tuple[str, ...]:
         """Every client-state key a client of this strategy keeps (adapter kind's + client half's)."""
@@ -84,6 +86,10 @@ def register(spec: StrategySpec) -> StrategySpec:
         )
         if not key or key.replace("-", "_") in taken or key in taken:
             raise ValueError(f"strategy '{spec.name}': config section key '{key}' is empty or taken")
+    for shared in spec.shared_sections:
+        owners = [s.name for s in REGISTRY.values() if s.section is not None and s.section.key == shared.key]
+        if shared.key.replace("-", "_") in RunConfig.model_fields or shared.key in ADAPTER_KINDS or owners:
+            raise ValueError(f"strategy '{spec.name}': shared config section key '{shared.key}' is taken")
     REGISTRY[spec.name] = spec
     return spec
 
@@ -101,6 +107,7 @@ def config_sections() -> dict[str, type[Section]]:
 
     sections = {s.key: s for kind in ADAPTER_KINDS.values() for s in (kind.section, *kind.extra_sections)}
     sections.update({s.section.key: s.section for s in REGISTRY.values() if s.section is not None})
+    sections.update({shared.key: shared for s in REGISTRY.values() for shared in s.shared_sections})
     return sections
 
 
@@ -108,9 +115,10 @@ def _register_builtin() -> None:
     from .fedavg import SPEC as FEDAVG
     from .fedavg import SPEC_DUAL as FEDAVG_DUAL
     from .local import SPEC as LOCAL
+    from .mira import SPEC as MIRA
     from .simgrad import SPEC as SIMGRAD
 
-    for spec in (FEDAVG, FEDAVG_DUAL, SIMGRAD, LOCAL):
+    for spec in (FEDAVG, FEDAVG_DUAL, SIMGRAD, LOCAL, MIRA):
         register(spec)
 
 

@@ -117,8 +117,8 @@ class FingerprintStrategy(Strategy):
                 )
 
     def wants_report(self, server_round: int) -> bool:
-        if server_round == 1 or not self.members:
-            return True
+        if server_round == 1 or any(p not in self.reports for p in self.family_of_partition):
+            return True  # and again while a client's fingerprint is missing (it was left out, or it joined late)
         return self.refresh_every > 0 and (server_round - 1) % self.refresh_every == 0
 
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
@@ -130,7 +130,10 @@ class FingerprintStrategy(Strategy):
         for nid, report in reports.items():
             if nid in self.partition_of:
                 fresh.setdefault(self.family_of_partition[self.partition_of[nid]], {})[nid] = report
-        for _family, family_reports in sorted(fresh.items()):
+        for family, family_reports in sorted(fresh.items()):
+            # a refresh replaces the family's fingerprints: a client without a valid one now sits this out
+            for pid in [p for p, f in self.family_of_partition.items() if f == family]:
+                self.reports.pop(pid, None)
             # comparable only with the same sketch and layers: the layout most of the family sent wins
             layouts = [(r.fingerprint.size, tuple(r.layer_names)) for r in family_reports.values()]
             common = max(set(layouts), key=layouts.count)
@@ -142,7 +145,11 @@ class FingerprintStrategy(Strategy):
                     )
                 else:
                     self.reports[self.partition_of[nid]] = report
-        families = sorted(fresh)
+        self.refresh(server_round, sorted(fresh))
+        return left_out
+
+    def refresh(self, server_round: int, families: list[str]) -> None:
+        """Recompute the PCA of these families from the kept reports, then the strategy's structure."""
         for family in families:
             members = sorted(p for p, f in self.family_of_partition.items() if f == family and p in self.reports)
             self.members[family] = members
@@ -170,7 +177,6 @@ class FingerprintStrategy(Strategy):
                     family,
                 )
         self.regroup(server_round, families)
-        return left_out
 
     def regroup(self, server_round: int, families: list[str]) -> None:
         """Rebuild the strategy's structure (clusters, adjacency) for these families from ``self.reduced``."""
@@ -187,3 +193,29 @@ class FingerprintStrategy(Strategy):
             }
             for family, members in sorted(self.members.items())
         }
+
+    def fingerprint_state(self) -> dict[str, Arrays]:
+        """The kept reports, for the checkpoint (``fingerprint-<partition>``)."""
+        return {
+            f"fingerprint-{pid}": {
+                "fingerprint": report.fingerprint,
+                "importance": report.importance,
+                "layer_names": np.array(report.layer_names),
+                "tasks": np.array([report.tasks]),
+            }
+            for pid, report in sorted(self.reports.items())
+        }
+
+    def load_fingerprint_state(self, state: dict[str, Arrays]) -> None:
+        """Restore the kept reports and rebuild the structure from them (resume: the same clusters or graph)."""
+        for key, arrays in state.items():
+            if key.startswith("fingerprint-"):
+                self.reports[int(key.removeprefix("fingerprint-"))] = FingerprintReport(
+                    np.asarray(arrays["fingerprint"], dtype=np.float64),
+                    [str(n) for n in arrays["layer_names"].tolist()],
+                    np.asarray(arrays["importance"], dtype=np.float64),
+                    str(arrays["tasks"][0]),
+                )
+        families = sorted({self.family_of_partition[p] for p in self.reports if p in self.family_of_partition})
+        if families:
+            self.refresh(0, families)

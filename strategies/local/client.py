@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..base import Arrays
-from ..client import StrategyClient
+from ..client import StrategyClient, save_whole_adapter
 
 if TYPE_CHECKING:
     from client_app.runtime import ClientRuntime
@@ -39,8 +39,4 @@ class LocalClient(StrategyClient):
 
     def save(self, rt: ClientRuntime, out_dir: Path) -> Path | None:
         """The client's adapter is the only copy: saved the way the kind saves a whole one (PEFT for LoRA)."""
-        own = rt.adapter.save(out_dir, rt.model_name)
-        if own is not None:
-            return own
-        arrays, _ = rt.adapter.outgoing(None)
-        return type(rt.adapter).save_server_copy(arrays, rt.cfg, rt.model_name, out_dir)
+        return save_whole_adapter(rt, out_dir)

@@ -5,40 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from server_app.plots import client_key, client_keys, client_label, integer_rounds, pyplot, save
+from server_app.plots import client_key, client_keys, client_label, heatmap_pair, integer_rounds, pyplot, save
 
 
 def relevance(server_round: int, row: dict[str, Any], out: Path) -> Path:
     """Side-by-side heatmaps of the cosine relevance matrix S and the softmax weights W of one round."""
-    import numpy as np
-
-    plt = pyplot()
     labels = [
         f"p{p}\n{m.split('-')[0][:8]}"
         for p, m in zip(row.get("relevance_partitions", []), row.get("relevance_models", []))
     ]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-    for ax, key, title, limits in (
-        (axes[0], "relevance", "cosine relevance S", (-1, 1)),
-        (axes[1], "relevance_weights", "softmax weights W (rows)", (0, 1)),
-    ):
-        matrix = np.asarray(row.get(key) or [[np.nan]], dtype=float)
-        image = ax.imshow(matrix, vmin=limits[0], vmax=limits[1], cmap="viridis")
-        for (i, j), value in np.ndenumerate(matrix):
-            ax.text(
-                j,
-                i,
-                f"{value:.2f}",
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white" if value < np.mean(limits) else "black",
-            )
-        ax.set_xticks(range(len(labels)), labels, fontsize=7)
-        ax.set_yticks(range(len(labels)), labels, fontsize=7)
-        ax.set_title(f"round {server_round}: {title}", fontsize=9)
-        fig.colorbar(image, ax=ax, fraction=0.046)
-    return save(fig, out)
+    return heatmap_pair(
+        [row.get("relevance") or [], row.get("relevance_weights") or []],
+        ["cosine relevance S", "softmax weights W (rows)"],
+        labels,
+        f"round {server_round}",
+        out,
+        limits=[(-1, 1), (0, 1)],
+    )
 
 
 def gates(rows: list[dict[str, Any]], out: Path) -> Path:
