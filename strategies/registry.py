@@ -112,13 +112,14 @@ def config_sections() -> dict[str, type[Section]]:
 
 
 def _register_builtin() -> None:
+    from .atlas import SPEC as ATLAS
     from .fedavg import SPEC as FEDAVG
     from .fedavg import SPEC_DUAL as FEDAVG_DUAL
     from .local import SPEC as LOCAL
     from .mira import SPEC as MIRA
     from .simgrad import SPEC as SIMGRAD
 
-    for spec in (FEDAVG, FEDAVG_DUAL, SIMGRAD, LOCAL, MIRA):
+    for spec in (FEDAVG, FEDAVG_DUAL, SIMGRAD, LOCAL, MIRA, ATLAS):
         register(spec)
 
 

@@ -1,0 +1,22 @@
+"""ATLAS: task clusters from gradient fingerprints and FedAvg strictly inside each cluster (seed 003, phases 1-3).
+
+``clustering.py`` and ``ranks.py`` are its math (pure functions); ``server.py`` its server half (the client half
+is the shared fingerprint report: ``strategies.fingerprint``); ``config.py`` its section (``atlas.*``);
+``plots.py`` its figures.
+"""
+
+from ..fingerprint import FingerprintClient, FingerprintSection
+from ..registry import StrategySpec
+from .config import AtlasSection
+from .server import Atlas
+
+SPEC = StrategySpec(
+    name=Atlas.name,
+    server=Atlas,
+    client=FingerprintClient,
+    adapter="lora",
+    section=AtlasSection,
+    shared_sections=(FingerprintSection,),
+)
+
+__all__ = ["SPEC", "Atlas", "AtlasSection"]
