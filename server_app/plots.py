@@ -69,6 +69,7 @@ def heatmap_pair(
     import numpy as np
 
     plt = pyplot()
+    cuts = [i + 0.5 for i in range(len(boundaries or []) - 1) if boundaries and boundaries[i] != boundaries[i + 1]]
     fig, axes = plt.subplots(1, len(matrices), figsize=(4.5 * len(matrices), 4), squeeze=False)
     for index, (ax, values, panel) in enumerate(zip(axes[0], matrices, titles)):
         matrix = np.asarray(values if len(values) else [[np.nan]], dtype=float)
@@ -79,7 +80,7 @@ def heatmap_pair(
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color=colour)
         ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=90)
         ax.set_yticks(range(len(labels)), labels, fontsize=7)
-        for edge in [i + 0.5 for i in range(len(boundaries or []) - 1) if boundaries[i] != boundaries[i + 1]]:
+        for edge in cuts:
             ax.axhline(edge, color="red", linewidth=1.5)
             ax.axvline(edge, color="red", linewidth=1.5)
         ax.set_title(panel, fontsize=9)

@@ -88,7 +88,7 @@ class Atlas(FingerprintStrategy):
             if not members:
                 continue
             clustering = self._cluster(family)
-            groups, merges = clustering.labels, []
+            groups, merges = clustering.labels, list[str]()
             if self.secure:
                 groups, merges = merge_small_clusters(clustering.labels, clustering.centroids, self.cfg.min_group_size)
             self.clusterings[family], self.group_labels[family], self.merges[family] = clustering, groups, merges
