@@ -31,7 +31,8 @@ from common.records import (
     initial_reply,
     metrics_reply,
     read_sent_adapter,
-    read_train_instruction,
+    read_train_arrays,
+    read_train_config,
     report_reply,
     train_reply,
 )
@@ -87,7 +88,9 @@ def _active_blocks(config: dict) -> list[int] | None:
 
 def train(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
-    arrays, config = read_train_instruction(msg.content, rt.adapter.initial)
+    config = read_train_config(msg.content)
+    rt.strategy.configure(rt, config)
+    arrays = read_train_arrays(msg.content, rt.strategy.wire_reference(rt, config))
     active = _active_blocks(config)
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     rt.adapter.prepare_training(active)
@@ -148,10 +151,11 @@ def secagg_clipped(arrays: dict[str, np.ndarray], weight: int, config: dict) -> 
 
 def evaluate_handler(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
-    arrays = read_sent_adapter(msg.content.array_records[ARRAYS], rt.adapter.initial)
+    config = dict(msg.content.config_records[CONFIG]) if CONFIG in msg.content else {}
+    rt.strategy.configure(rt, config)
+    arrays = read_sent_adapter(msg.content.array_records[ARRAYS], rt.strategy.wire_reference(rt, config))
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train))
-    config = msg.content.config_records[CONFIG] if CONFIG in msg.content else {}
     server_round = _config_int(config, "server-round", -1)
     log.info(
         "node %s (partition %d) round %s: eval loss %.4f EM %.3f ROUGE-L %.3f",

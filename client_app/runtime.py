@@ -83,6 +83,7 @@ class ClientRuntime:
     run_id: int
     train: list[Example]
     test: list[Example]
+    node_config: dict[str, Any]
 
     @property
     def model(self) -> Any:
@@ -95,6 +96,12 @@ class ClientRuntime:
     @property
     def model_name(self) -> str:
         return self.loaded.name
+
+    def reattach(self, cfg: RunConfig) -> None:
+        """Use this message's adapter settings (e.g. ATLAS's per-client ranks): the run's adapter kind attached
+        with ``cfg`` (module surgery on the shared base only when the settings differ from what is attached)."""
+        self.cfg = cfg
+        self.adapter = self.loaded.attach(adapter_kind(strategy_spec(cfg.strategy).adapter_for(cfg)), cfg)
 
     def probe(self, name: str) -> LoadedModel:
         """A frozen probe model (e.g. SimGrad's signatures): the base model ``name``, loaded once like any other.
@@ -134,7 +141,9 @@ def get_runtime(context: Context) -> ClientRuntime:
     if _startup["began"]:
         _startup["ready"] = time.perf_counter() - _startup["began"]
     state = ClientState(context.state, spec.state_keys(cfg))
-    return ClientRuntime(cfg, loaded, adapter, spec.client(cfg), state, partition_id, context.run_id, train, test)
+    client = spec.client(cfg)
+    node_config = dict(context.node_config)
+    return ClientRuntime(cfg, loaded, adapter, client, state, partition_id, context.run_id, train, test, node_config)
 
 
 def declared_state_keys(context: Context) -> tuple[str, ...]:

@@ -66,6 +66,25 @@ def split_csv(value: Any) -> Any:
     return value
 
 
+def split_pairs(value: Any) -> Any:
+    """Mappings in a run config may be written "a=1, b=2" (TOML run configs have no tables of their own)."""
+    if isinstance(value, str):
+        pairs = [item.strip() for item in value.split(",") if item.strip()]
+        if any("=" not in pair for pair in pairs):
+            raise ValueError(f"expected 'name=value' pairs separated by commas, got {value!r}")
+        return {k.strip(): v.strip() for k, v in (pair.split("=", 1) for pair in pairs)}
+    return value
+
+
+def join_value(value: Any) -> Any:
+    """The inverse of ``split_csv`` / ``split_pairs`` for a flat run config."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return value
+
+
 class ModelSection(Section):
     """Which base LLM every client loads, and how."""
 
@@ -246,6 +265,12 @@ class RunConfig(Section):
         value = self._sections.get(kind.key)
         return value if isinstance(value, kind) else kind()
 
+    def with_section(self, section: Section) -> RunConfig:
+        """A copy of this config with one section replaced (e.g. one client's own LoRA ranks)."""
+        copy = self.model_copy()
+        copy._sections = {**self._sections, section.key: section}
+        return copy
+
     @property
     def adapter(self) -> str:
         """The adapter kind this run's strategy trains (``common.adapters.ADAPTER_KINDS``)."""
@@ -322,7 +347,7 @@ class RunConfig(Section):
         for key, value in dumped.items():
             if isinstance(value, dict):
                 for sub, subval in value.items():
-                    flat[f"{key}.{sub}"] = ",".join(subval) if isinstance(subval, list) else subval
+                    flat[f"{key}.{sub}"] = join_value(subval)
             else:
                 flat[key] = value
         return flat

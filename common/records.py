@@ -111,13 +111,21 @@ def read_sent_adapter(record: ArrayRecord, reference: dict[str, np.ndarray]) -> 
     return from_array_record(record, reference) if len(record) else None
 
 
+def read_train_config(content: RecordDict) -> dict[str, Any]:
+    """The config of a train instruction (read first: it may say what shapes the arrays have)."""
+    return dict(content.config_records[FITINS_CONFIG])
+
+
+def read_train_arrays(content: RecordDict, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """The start adapter of a train instruction (``read_sent_adapter``)."""
+    return read_sent_adapter(content.array_records[FITINS_ARRAYS], reference)
+
+
 def read_train_instruction(
     content: RecordDict, reference: dict[str, np.ndarray]
 ) -> tuple[dict[str, np.ndarray] | None, dict[str, Any]]:
     """The start adapter (``read_sent_adapter``) and the config of a train instruction."""
-    return read_sent_adapter(content.array_records[FITINS_ARRAYS], reference), dict(
-        content.config_records[FITINS_CONFIG]
-    )
+    return read_train_arrays(content, reference), read_train_config(content)
 
 
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -312,7 +312,10 @@ def _evaluate_round(
     started: float,
 ) -> None:
     arrays_by_node = {nid: strategy.eval_arrays(nid) for nid in node_ids}
-    evaluated = evaluate_nodes(grid, server_round, arrays_by_node, {"server-round": server_round}, cfg.round_timeout)
+    configs = {nid: strategy.eval_config(nid) for nid in node_ids}
+    evaluated = evaluate_nodes(
+        grid, server_round, arrays_by_node, {"server-round": server_round}, cfg.round_timeout, configs
+    )
     rows, totals = [], {"eval_loss": 0.0, "exact_match": 0.0, "rouge_l": 0.0, "n": 0}
     seconds = time.perf_counter() - started
     for nid in node_ids:

@@ -102,7 +102,7 @@ def train_groups_plain(
     messages = []
     for group in groups:
         for nid in group.members:
-            instruction = train_instruction(group.start[nid], member_config(group, config))
+            instruction = train_instruction(group.start[nid], member_config(group, config, nid))
             messages.append(
                 Message(instruction, dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round))
             )
@@ -149,9 +149,9 @@ def _accept_train_reply(
     return arrays, n, metrics, notes
 
 
-def member_config(group: Group, config: dict[str, Any]) -> dict[str, Any]:
-    """A member's train-instruction config: the round's, the group's, and how the member weighs its update."""
-    return {**config, **group.config, WEIGHT_BY: group.weight_by}
+def member_config(group: Group, config: dict[str, Any], node_id: int) -> dict[str, Any]:
+    """A member's train-instruction config: the round's, the group's, its own, and how it weighs its update."""
+    return {**config, **group.config, **group.member_configs.get(node_id, {}), WEIGHT_BY: group.weight_by}
 
 
 def max_weight(group: Group, examples_per_round: int) -> float:
@@ -213,7 +213,7 @@ def train_group_secure(
     # members count the values SecAgg+ will clip (it clamps silently): they need its range and this group's weight
     cap = max_weight(group, limits.examples_per_round)
     clip_config = {SECAGG_CLIP: cfg.clipping_range, SECAGG_MAX_WEIGHT: cap}
-    capture = _CaptureGroup(grid, context.run_id, group, {**member_config(group, config), **clip_config})
+    capture = _CaptureGroup(grid, context.run_id, group, config, clip_config)
     state = RecordDict(
         {MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()}
     )
@@ -303,14 +303,15 @@ def _as_share_param(value: float) -> int | float:
 class _CaptureGroup:
     """A minimal legacy strategy: selects the group's members and captures SecAgg+'s unmasked mean."""
 
-    def __init__(self, grid, run_id: int, group: Group, config: dict[str, Any]) -> None:
+    def __init__(self, grid, run_id: int, group: Group, config: dict[str, Any], extra: dict[str, Any]) -> None:
         from flwr.common import FitIns, ndarrays_to_parameters
         from flwr.server.compat.grid_client_proxy import GridClientProxy
 
-        self.instructions = [  # each member's start adapter packed into one vector (``common.records``)
-            (GridClientProxy(nid, grid, run_id), FitIns(ndarrays_to_parameters([pack(group.start[nid])]), dict(config)))
-            for nid in group.members
-        ]
+        self.instructions = []  # each member's start adapter packed into one vector (``common.records``)
+        for nid in group.members:
+            settings = {**member_config(group, config, nid), **extra}
+            fit_ins = FitIns(ndarrays_to_parameters([pack(group.start[nid])]), settings)
+            self.instructions.append((GridClientProxy(nid, grid, run_id), fit_ins))
         self.mean: list[np.ndarray] | None = None
         self.metrics: dict[int, dict[str, Any]] = {}
 
@@ -328,12 +329,18 @@ class _CaptureGroup:
 
 
 def evaluate_nodes(
-    grid, server_round: int, arrays_by_node: dict[int, Arrays], config: dict[str, Any], timeout: float
+    grid,
+    server_round: int,
+    arrays_by_node: dict[int, Arrays],
+    config: dict[str, Any],
+    timeout: float,
+    config_by_node: dict[int, dict[str, Any]] | None = None,
 ) -> dict[int, dict | str]:
-    """Federated evaluation: each node evaluates its adapter on its held-out split; metrics or a reason per node."""
+    """Federated evaluation: each node evaluates its adapter on its held-out split; metrics or a reason per node.
+    ``config_by_node`` adds to ``config`` per node (e.g. the shapes of what ATLAS sends that node)."""
     messages = [
         Message(
-            eval_instruction(arrays, config),
+            eval_instruction(arrays, {**config, **(config_by_node or {}).get(nid, {})}),
             dst_node_id=nid,
             message_type=MessageType.EVALUATE,
             group_id=f"eval-{server_round}",

@@ -60,6 +60,7 @@ class Group:
         start: per member node id, the adapter it trains from this round.
         send_back: the array names members return (default: every name in ``start``).
         config: extra train-instruction settings for the members (e.g. which adapter blocks are active).
+        member_configs: per member node id, settings for that member only (e.g. its own LoRA ranks).
         weight_by: each member's weight in the group's sum: ``"examples"``, ``"equal"`` or a name the strategy's
             client half knows (``StrategyClient.member_weight``); the client reports it as a whole number.
         max_weight: SecAgg+'s ``max_weight`` for this group (weights are divided by it and clipped at 1 before
@@ -70,6 +71,7 @@ class Group:
     start: dict[int, Arrays]
     send_back: list[str] | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    member_configs: dict[int, dict[str, Any]] = field(default_factory=dict)
     weight_by: str = WEIGHT_BY_EXAMPLES
     max_weight: float | None = None
 
@@ -176,6 +178,10 @@ class Strategy(ABC):
     @abstractmethod
     def eval_arrays(self, node_id: int) -> Arrays:
         """The adapter ``node_id`` is evaluated with (and keeps, at the end)."""
+
+    def eval_config(self, node_id: int) -> dict[str, Any]:
+        """Settings for ``node_id``'s evaluate instruction beside its arrays (default: none)."""
+        return {}
 
     @abstractmethod
     def state_dict(self) -> dict[str, Arrays]:

@@ -32,6 +32,15 @@ class StrategyClient:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
+    def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
+        """Adapt the client to a train or evaluate instruction's config before its arrays are read (ATLAS: attach
+        the client's own LoRA ranks); default: nothing."""
+
+    def wire_reference(self, rt: ClientRuntime, config: dict[str, Any]) -> Arrays:
+        """The names and shapes of the arrays the server sends with this instruction (and a train reply carries);
+        default: the adapter's own."""
+        return rt.adapter.initial
+
     def start(self, rt: ClientRuntime, received: Arrays | None) -> Arrays | None:
         """What the adapter starts this message from, given what the server sent (None: nothing); default: that."""
         return received

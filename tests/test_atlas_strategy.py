@@ -103,3 +103,89 @@ def test_k_larger_than_k_max_is_refused():
 
     with pytest.raises(ConfigError, match="atlas.k"):
         RunConfig.from_flat({"strategy": "atlas", "atlas.k": 7})
+
+
+# ---- per-layer ranks under memory budgets -------------------------------------------------------------------
+PEFT = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
+
+
+def lora_initial(r=8, width=64, blocks=3):
+    rng = np.random.default_rng(0)
+    out = {}
+    for b in range(blocks):
+        out[PEFT.format(b, "A")] = rng.normal(size=(r, width)).astype(np.float32)
+        out[PEFT.format(b, "B")] = np.zeros((width, r), np.float32)
+    return out
+
+
+def ranked_atlas(budgets, tasks, **cfg):
+    strategy = Atlas(AtlasSection(ranks=[4, 8, 16], **cfg), FingerprintSection(), secure=False)
+    strategy.initialise({100 + i: ClientInfo(100 + i, i, "small", lora_initial()) for i in range(len(tasks))})
+    reports = {}
+    for i, (budget, task) in enumerate(zip(budgets, tasks)):
+        base = report(i, task)
+        names = [f"model.layers.{b}.self_attn.q_proj" for b in range(3)]
+        importance = np.array([1.0, 2.0, 3.0]) if i % 2 else np.array([3.0, 2.0, 1.0])
+        reports[100 + i] = FingerprintReport(base.fingerprint, names, importance, base.tasks, budget)
+    strategy.observe_reports(1, reports)
+    return strategy
+
+
+def test_ranks_follow_budget_and_importance_and_travel_padded_with_masks():
+    # rank r on a 64x64 layer: r * 128 params * 16 bytes
+    strategy = ranked_atlas([0.1, 0.1, 0.03, 0.03], [0, 0, 0, 0], k=0, clustering="oracle")
+    row = strategy.report()["atlas"]["small"]
+    assert all(mb <= budget for mb, budget in zip(row["adapter_mb"].values(), row["budget_mb"].values()))
+    big_even, big_odd, small = row["ranks"]["0"], row["ranks"]["1"], row["ranks"]["2"]
+    assert big_even[0] >= big_even[2] and big_odd[2] >= big_odd[0]  # the most important layer gets the most
+    assert sum(small) < sum(big_even)
+    (group,) = strategy.train_groups(1, [100, 101, 102, 103])
+    wire = [max(row["ranks"][str(p)][layer] for p in range(4)) for layer in range(3)]
+    for nid in group.members:
+        start = group.start[nid]
+        assert start[PEFT.format(0, "A")].shape == (wire[0], 64)
+        own = row["ranks"][str(nid - 100)]
+        np.testing.assert_array_equal(start["rank-mask.model.layers.0.self_attn.q_proj"], np.arange(wire[0]) < own[0])
+        assert group.member_configs[nid] == {
+            "lora-ranks": ",".join(map(str, own)),
+            "wire-ranks": ",".join(map(str, wire)),
+        }
+        # fresh slots beyond the initial rank 8 are seeded alike for every member, never zero (dead) A rows
+        assert np.all(np.abs(start[PEFT.format(0, "A")]).sum(axis=1) > 0)
+
+
+def test_ranked_group_mean_averages_each_slot_over_members_that_have_it():
+    strategy = ranked_atlas([0.1, 0.03, 0.1, 0.03], [0, 0, 0, 0], clustering="oracle")
+    (group,) = strategy.train_groups(1, [100, 101, 102, 103])
+    own = {nid: strategy._own(nid - 100) for nid in group.members}
+    path = "model.layers.0.self_attn.q_proj"
+    a_name = PEFT.format(0, "A")
+    wire = group.start[100][a_name].shape[0]
+    sent = {}
+    for nid in group.members:
+        a = np.zeros((wire, 64), np.float32)
+        a[: own[nid][path]] = float(nid - 99)  # member k's slots all hold k
+        sent[nid] = a
+    mean_a = sum(sent.values()) / 4
+    mask = sum((np.arange(wire) < own[nid][path]).astype(np.float32) for nid in group.members) / 4
+    result = {k: np.mean([group.start[n][k] for n in group.members], axis=0) for k in group.start[100]}
+    result[a_name], result["rank-mask." + path] = mean_a, mask
+    strategy.update(1, [GroupResult(group.name, result, 4.0, group.members)])
+    new_a = strategy.adapter_of[0][a_name]
+    for slot in range(wire):
+        holders = [nid - 99 for nid in group.members if own[nid][path] > slot]
+        np.testing.assert_allclose(new_a[slot], np.mean(holders), rtol=1e-6)
+    assert not any(k.startswith("rank-mask") for k in strategy.adapter_of[0])
+
+
+def test_a_budget_that_fits_no_rank_is_refused():
+    with pytest.raises(ValueError, match="atlas.memory-mb: partition 1: a memory budget of 0.001 MB fits no rank"):
+        strategy = Atlas(AtlasSection(memory_mb=[1.0, 0.001]), FingerprintSection())
+        strategy.initialise({100 + i: ClientInfo(100 + i, i, "small", lora_initial()) for i in range(2)})
+    strategy = Atlas(AtlasSection(), FingerprintSection())
+    strategy.initialise({100: ClientInfo(100, 0, "small", lora_initial())})
+    with pytest.raises(ValueError, match="fits no rank"):  # a node's own budget: its report is left out
+        strategy.read_report(
+            {"fingerprint": np.ones(4)},
+            {"layer_names": ["x"], "layer_importance": [1.0], "memory_mb": 0.001, "model": "small"},
+        )

@@ -9,14 +9,7 @@ from common.adapters.lora.model import attach_lora, get_adapter_arrays
 from common.data import Example
 from common.model import load_base_model, load_tokenizer
 from strategies.fingerprint.client import fingerprint_batches
-from strategies.fingerprint.gradients import (
-    adapter_gradients,
-    block_index,
-    last_blocks,
-    layer_name,
-    layer_normalised,
-    sketch,
-)
+from strategies.fingerprint.gradients import AdapterGradients, adapter_gradients, layer_name, layer_normalised, sketch
 
 ARITHMETIC = [Example("math", f"What is {a} plus {b}?", str(a + b)) for a in range(1, 9) for b in range(1, 4)]
 YES_NO = [
@@ -33,23 +26,24 @@ def tiny(tiny_llama_dir):
 
 def fingerprint(tiny, examples, seed):
     model, tokenizer = tiny
-    gradients, used = adapter_gradients(model, tokenizer, fingerprint_batches(examples, 6, 4, seed), 64)
-    assert used == 6
-    return sketch(layer_normalised(gradients, last_blocks(gradients, 2)), 256, seed=0), gradients
+    grads = adapter_gradients(model, tokenizer, fingerprint_batches(examples, 6, 4, seed), 64)
+    assert grads.batches == 6
+    return sketch(layer_normalised(grads.gradients, grads.last_blocks(2)), 256, seed=0), grads
 
 
 def test_gradients_are_per_layer_and_change_no_weight(tiny):
     model, _ = tiny
     before = get_adapter_arrays(model)
-    _, gradients = fingerprint(tiny, ARITHMETIC, 1)
+    _, grads = fingerprint(tiny, ARITHMETIC, 1)
+    gradients = grads.gradients
     after = get_adapter_arrays(model)
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
-    num_blocks = len({block_index(n) for n in gradients})
+    num_blocks = len(set(grads.block_of.values()))
     assert sorted(gradients) == sorted(
-        f"block{b}.self_attn.{m}" for b in range(num_blocks) for m in ("q_proj", "v_proj")
+        f"model.layers.{b}.self_attn.{m}" for b in range(num_blocks) for m in ("q_proj", "v_proj")
     )
-    assert last_blocks(gradients, 2) == sorted(n for n in gradients if block_index(n) >= num_blocks - 2)
+    assert grads.last_blocks(2) == sorted(n for n, b in grads.block_of.items() if b >= num_blocks - 2)
     assert all(np.linalg.norm(g) > 0 for g in gradients.values())  # B's gradient (A's is 0 while B is 0)
 
 
@@ -73,6 +67,7 @@ def test_layer_normalisation_and_sketch():
 
 def test_layer_names_from_peft_parameters():
     name = "base_model.model.model.layers.29.self_attn.q_proj.lora_B.default.weight"
-    assert layer_name(name, 29) == "block29.self_attn.q_proj"
-    assert layer_name("base_model.model.lm_head.lora_A.default.weight", None) == "base_model.model.lm_head"
-    assert block_index("block29.self_attn.q_proj") == 29 and block_index("base_model.model.lm_head") is None
+    assert layer_name(name) == "model.layers.29.self_attn.q_proj"
+    assert layer_name("base_model.model.lm_head.lora_A.default.weight") == "lm_head"
+    grads = AdapterGradients({}, {"a": 0, "b": 1, "c": 2, "head": None}, 1)
+    assert grads.last_blocks(2) == ["b", "c", "head"]

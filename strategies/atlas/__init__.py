@@ -5,18 +5,19 @@ is the shared fingerprint report: ``strategies.fingerprint``); ``config.py`` its
 ``plots.py`` its figures.
 """
 
-from ..fingerprint import FingerprintClient, FingerprintSection
+from ..fingerprint import FingerprintSection
 from ..registry import StrategySpec
+from .client import AtlasClient
 from .config import AtlasSection
 from .server import Atlas
 
 SPEC = StrategySpec(
     name=Atlas.name,
     server=Atlas,
-    client=FingerprintClient,
+    client=AtlasClient,
     adapter="lora",
     section=AtlasSection,
     shared_sections=(FingerprintSection,),
 )
 
-__all__ = ["SPEC", "Atlas", "AtlasSection"]
+__all__ = ["SPEC", "Atlas", "AtlasClient", "AtlasSection"]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from common.config import Section
+from common.config import Section, split_csv
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -22,6 +22,36 @@ class AtlasSection(Section):
     k_max: int = Field(6, ge=2)  # largest k tried (and at most clients - 1)
     recluster_every: int = Field(0, ge=0)  # new fingerprints and clusters every N rounds; 0: once, in round 1
     min_group_size: int = Field(3, ge=3)  # secure mode: a smaller cluster merges into its nearest one
+    # Per-layer LoRA ranks under each client's memory budget (MiB of adapter training memory: fp32 weights,
+    # gradients and AdamW moments). A node's node-config ``memory-mb`` wins; in simulation this list is cycled over
+    # the partitions. Neither: every layer keeps lora.r.
+    memory_mb: list[float] = Field(default_factory=list)
+    ranks: list[int] = Field(default_factory=lambda: [4, 8, 16, 32, 64], min_length=1)  # seed 003's candidates
+
+    _csv = field_validator("memory_mb", "ranks", mode="before")(split_csv)
+
+    @field_validator("memory_mb")
+    @classmethod
+    def _positive(cls, value: list[float]) -> list[float]:
+        if any(not 0 < v < float("inf") for v in value):
+            raise ValueError(f"budgets must be positive numbers of MiB, got {value}")
+        return value
+
+    @field_validator("ranks")
+    @classmethod
+    def _ranks(cls, value: list[int]) -> list[int]:
+        if any(not 1 <= r <= 256 for r in value):
+            raise ValueError(f"ranks must be 1..256, got {value}")
+        return sorted(set(value))
+
+    def budget(self, partition_id: int, node_config: dict[str, Any]) -> float | None:
+        """A client's memory budget: node-config ``memory-mb``, else this list cycled, else None (ranks off)."""
+        if "memory-mb" in node_config:
+            value = node_config["memory-mb"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"node-config memory-mb: expected a positive number of MiB (got {value!r})")
+            return float(value)
+        return self.memory_mb[partition_id % len(self.memory_mb)] if self.memory_mb else None
 
     def check(self, cfg: RunConfig) -> None:
         if self.k and self.k > self.k_max:

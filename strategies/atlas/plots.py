@@ -70,3 +70,33 @@ def cluster_loss(rows: list[dict[str, Any]], out: Path) -> Path:
     ax.set_title("Per-cluster evaluation loss")
     ax.legend(fontsize=8)
     return save(fig, out)
+
+
+def rank_allocation(server_round: int, families: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Per family: every client's smallest, mean and largest LoRA rank against its memory budget, coloured by
+    cluster (seed 003's rank-allocation figure)."""
+    paths = []
+    for family, row in sorted(families.items()):
+        if not row.get("ranks"):
+            continue
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        cluster_of = dict(zip(row["partitions"], row["clusters"]))
+        for key, ranks in sorted(row["ranks"].items(), key=lambda kv: int(kv[0])):
+            partition, budget = int(key), row["budget_mb"][key]
+            low, mean, high = min(ranks), sum(ranks) / len(ranks), max(ranks)
+            colour = pyplot().get_cmap("tab10")(cluster_of[partition] % 10)
+            ax.errorbar([budget], [mean], yerr=[[mean - low], [high - mean]], fmt="o", color=colour, capsize=4)
+            ax.annotate(
+                f"p{partition} c{cluster_of[partition]}",
+                (budget, mean),
+                fontsize=7,
+                xytext=(4, 2),
+                textcoords="offset points",
+            )
+        ax.set_xlabel("memory budget (MB)")
+        ax.set_ylabel("LoRA rank per layer (min / mean / max)")
+        ax.set_title(f"round {server_round}, {family}: rank allocation", fontsize=9)
+        ax.grid(alpha=0.3)
+        paths.append(save(fig, out_dir / f"round-{server_round:03d}-{family}.png"))
+    return paths

@@ -10,6 +10,12 @@ How the sums travel (``secure``): each cluster is one group. In plaintext any si
 of fewer than ``atlas.min-group-size`` is merged into its nearest cluster by centroid distance (logged, and the
 purity of the merged groups reported apart from the clustering's). The server learns the fingerprints, the
 clusters and one mean adapter per group, never one client's adapter. The math lives in ``clustering.py``.
+
+Per-layer ranks (``atlas.memory-mb`` or a node's ``memory-mb``): after each clustering every client with a budget
+gets ranks from ``atlas.ranks`` per LoRA layer, greedily by its layer importances (``ranks.allocate_ranks``) within
+its budget times its cluster's complexity scale. A group's arrays travel at its members' largest rank per layer,
+each member's slots zero-padded with a slot mask, and each slot is averaged over the members that have it
+(``ranks.slot_average``): a linear rule, so SecAgg+'s sums carry it. The math lives in ``ranks.py``.
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from common.adapters.lora import ranks as lora_ranks
 from common.logs import get_logger
 
-from ..base import Arrays, FinalAdapter, Group, GroupResult
-from ..fingerprint import FingerprintSection, FingerprintStrategy
+from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult
+from ..fedavg.server import family_key
+from ..fingerprint import FingerprintReport, FingerprintSection, FingerprintStrategy
 from . import plots
+from .client import OWN_RANKS, WIRE_RANKS, encode_ranks
 from .clustering import (
     LOW_PURITY,
     Clustering,
@@ -34,6 +43,7 @@ from .clustering import (
     purity,
 )
 from .config import AtlasSection
+from .ranks import Layer, adapter_mb, allocate_ranks, complexity_scale, slot_average
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -68,10 +78,43 @@ class Atlas(FingerprintStrategy):
         self.group_labels: dict[str, np.ndarray] = {}  # family -> group of each member (clusters after merges)
         self.merges: dict[str, list[str]] = {}
         self.adapter_of: dict[int, Arrays] = {}  # partition -> its cluster's adapter
+        self.ranks_of: dict[int, dict[str, int]] = {}  # partition -> its LoRA ranks (clients with a budget)
+        self.scale_of: dict[int, float] = {}  # partition -> its cluster's complexity scale (of its budget)
+        self._slot_fallback: dict[str, Arrays] = {}  # group -> the adapter its never-trained slots keep
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Atlas:
         return cls(cfg.section(AtlasSection), cfg.section(FingerprintSection), cfg.secure, cfg.seed)
+
+    def initialise(self, clients: dict[int, ClientInfo]) -> None:
+        super().initialise(clients)
+        if self.cfg.memory_mb:  # the simulation's budgets: a budget that fits no rank is a config error, up front
+            for info in clients.values():
+                budget = self.cfg.budget(info.partition_id, {})
+                try:
+                    self._check_budget(family_key(info.model), budget)
+                except ValueError as err:
+                    raise ValueError(f"atlas.memory-mb: partition {info.partition_id}: {err}") from None
+
+    def layers(self, family: str) -> list[Layer]:
+        """The family's LoRA layers (sorted paths) with their widths."""
+        initial = self.initial[family]
+        return [
+            Layer(path, int(initial[a].shape[1]), int(initial[b].shape[0]))
+            for path, (a, b) in lora_ranks.layers(initial).items()
+        ]
+
+    def _check_budget(self, family: str, budget: float | None) -> None:
+        if budget is not None:
+            allocate_ranks(self.layers(family), [0.0] * len(self.layers(family)), budget, self.cfg.ranks)
+
+    def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
+        """A valid fingerprint, and a memory budget that fits the smallest rank on every layer of its model."""
+        report = super().read_report(arrays, metrics)
+        family = family_key(str(metrics.get("model", "")))
+        if report.memory_mb is not None and family in self.initial:
+            self._check_budget(family, report.memory_mb)
+        return report
 
     def _cluster(self, family: str) -> Clustering:
         members = self.members[family]
@@ -107,6 +150,7 @@ class Atlas(FingerprintStrategy):
             )
             for line in merges:
                 log.info("round %d: %s: %s (SecAgg+ needs %d)", server_round, family, line, self.cfg.min_group_size)
+            self._allocate(server_round, family, clustering.labels)
             if cluster_purity < LOW_PURITY:
                 log.warning(
                     "round %d: low cluster-task purity %.2f (< %.1f) in %s",
@@ -115,6 +159,70 @@ class Atlas(FingerprintStrategy):
                     LOW_PURITY,
                     family,
                 )
+
+    def _allocate(self, server_round: int, family: str, labels: np.ndarray) -> None:
+        """Ranks for every member with a budget: greedy by its layer importances within budget x its cluster's
+        complexity scale (seed 003: more heterogeneous, harder clusters get more capacity)."""
+        members = self.members[family]
+        layers = self.layers(family)
+        points = np.stack([self.reports[p].fingerprint for p in members])
+        scales = complexity_scale(points, labels)
+        for partition, label in zip(members, labels.tolist()):
+            report = self.reports[partition]
+            if report.memory_mb is None:
+                self.ranks_of.pop(partition, None)
+                continue
+            importance = dict(zip(report.layer_names, report.importance.tolist()))
+            scale = scales[int(label)]
+            budget = max(report.memory_mb * scale, adapter_mb(layers, [min(self.cfg.ranks)] * len(layers)))
+            ranks = allocate_ranks(
+                layers, [importance.get(layer.name, 0.0) for layer in layers], budget, self.cfg.ranks
+            )
+            self.ranks_of[partition] = {layer.name: r for layer, r in zip(layers, ranks)}
+            self.scale_of[partition] = scale
+            log.info(
+                "round %d: partition %d ranks %d..%d (mean %.1f), adapter %.2f MB of %.2f MB (scale %.2f)",
+                server_round,
+                partition,
+                min(ranks),
+                max(ranks),
+                float(np.mean(ranks)),
+                adapter_mb(layers, ranks),
+                report.memory_mb,
+                scale,
+            )
+
+    @property
+    def ranked(self) -> bool:
+        """Whether any client has its own ranks (then every instruction says each member's and its group's)."""
+        return bool(self.ranks_of)
+
+    def _own(self, partition: int) -> dict[str, int]:
+        initial = self.initial[self.family_of_partition[partition]]
+        return self.ranks_of.get(partition) or lora_ranks.ranks(initial)
+
+    def _wire(self, partition: int) -> dict[str, int]:
+        """The ranks ``partition``'s arrays travel at: its group's largest per layer (alone: its own and its
+        adapter's)."""
+        placed = next((ps for _, ps in self._groups() if partition in ps), None)
+        parts = placed or [partition]
+        sizes = [self._own(p) for p in parts] + ([] if placed else [lora_ranks.ranks(self._adapter(partition))])
+        return {path: max(s[path] for s in sizes) for path in sizes[0]}
+
+    def _outgoing(self, partition: int) -> Arrays:
+        """What ``partition`` is sent: its adapter at the wire ranks (fresh slots seeded alike for every client),
+        with its slot masks; without ranks, its adapter as it is."""
+        adapter = self._adapter(partition)
+        if not self.ranked:
+            return adapter
+        wire = self._wire(partition)
+        resized = lora_ranks.seeded_slots(lora_ranks.resize(adapter, wire), lora_ranks.ranks(adapter), self.seed)
+        return {**resized, **lora_ranks.masks(self._own(partition), wire)}
+
+    def _rank_config(self, partition: int) -> dict[str, Any]:
+        if not self.ranked:
+            return {}
+        return {OWN_RANKS: encode_ranks(self._own(partition)), WIRE_RANKS: encode_ranks(self._wire(partition))}
 
     def _groups(self) -> list[tuple[str, list[int]]]:
         """(name, partitions) of every group: ``<family>-c<label>``."""
@@ -129,9 +237,11 @@ class Atlas(FingerprintStrategy):
         node_of = {self.partition_of[nid]: nid for nid in node_ids if nid in self.partition_of}
         groups = []
         for name, partitions in self._groups():
-            start = {node_of[p]: self._adapter(p) for p in partitions if p in node_of}
+            start = {node_of[p]: self._outgoing(p) for p in partitions if p in node_of}
             if start:
-                groups.append(Group(name, start))
+                configs = {node_of[p]: self._rank_config(p) for p in partitions if p in node_of}
+                self._slot_fallback[name] = lora_ranks.without_masks(next(iter(start.values())))
+                groups.append(Group(name, start, member_configs=configs))
         placed = {p for _, partitions in self._groups() for p in partitions}
         unplaced = sorted(set(node_of) - placed)
         if unplaced:
@@ -148,11 +258,31 @@ class Atlas(FingerprintStrategy):
         for name, partitions in self._groups():
             result = by_name.get(name)
             if result is not None and result.mean is not None:
+                mean = self._slot_mean(result.mean, self._slot_fallback.get(name)) if self.ranked else result.mean
                 for p in partitions:
-                    self.adapter_of[p] = result.mean
+                    self.adapter_of[p] = mean
+
+    @staticmethod
+    def _slot_mean(mean: Arrays, fallback: Arrays | None) -> Arrays:
+        """Every rank slot averaged over the members that have it (the group mean divided by the mean slot mask);
+        a slot no contributing member has keeps ``fallback``'s value (the group's start)."""
+        out: Arrays = {}
+        for path, (a_name, b_name) in lora_ranks.layers(lora_ranks.without_masks(mean)).items():
+            mask = mean[lora_ranks.MASK_PREFIX + path]
+            for name, axis in ((a_name, 0), (b_name, 1)):
+                averaged = slot_average(mean[name], mask, axis)
+                if fallback is not None:
+                    shape = [1, 1]
+                    shape[axis] = mask.size
+                    averaged = np.where(mask.reshape(shape) > 0, averaged, fallback[name]).astype(np.float32)
+                out[name] = averaged
+        return out
 
     def eval_arrays(self, node_id: int) -> Arrays:
-        return self._adapter(self.partition_of[node_id])
+        return self._outgoing(self.partition_of[node_id])
+
+    def eval_config(self, node_id: int) -> dict[str, Any]:
+        return self._rank_config(self.partition_of[node_id])
 
     def report(self) -> dict[str, Any]:
         out = self.family_report()
@@ -175,10 +305,22 @@ class Atlas(FingerprintStrategy):
                     "merges": self.merges.get(family, []),
                 }
             )
+            layers = self.layers(family)
+            ranked = [p for p in row["partitions"] if p in self.ranks_of]
+            if ranked:
+                row["layers"] = [layer.name for layer in layers]
+                row["ranks"] = {str(p): [self.ranks_of[p][layer.name] for layer in layers] for p in ranked}
+                row["adapter_mb"] = {str(p): adapter_mb(layers, row["ranks"][str(p)]) for p in ranked}
+                row["budget_mb"] = {str(p): self.reports[p].memory_mb for p in ranked}
+                row["budget_scale"] = {str(p): self.scale_of[p] for p in ranked}
         return {"atlas": out}
 
     def plot_round(self, server_round: int, aggregate_row: dict[str, Any], run_dir: Path) -> list[Path]:
-        return plots.fingerprints(server_round, aggregate_row.get("atlas", {}), run_dir / "clusters")
+        families = aggregate_row.get("atlas", {})
+        return [
+            *plots.fingerprints(server_round, families, run_dir / "clusters"),
+            *plots.rank_allocation(server_round, families, run_dir / "ranks"),
+        ]
 
     def plot_run(self, rows: list[dict[str, Any]], run_dir: Path) -> list[Path]:
         return [plots.cluster_loss(rows, run_dir / "cluster-loss.png")]

@@ -18,7 +18,7 @@ from ..base import Arrays
 from ..client import StrategyClient
 from ..sketches import sanitize_signature
 from .config import FingerprintSection
-from .gradients import adapter_gradients, last_blocks, layer_normalised, layer_norms, sketch
+from .gradients import adapter_gradients, layer_normalised, layer_norms, sketch
 
 if TYPE_CHECKING:
     from client_app.runtime import ClientRuntime
@@ -57,8 +57,9 @@ class FingerprintClient(StrategyClient):
         adapter.prepare_training(None)
         seed = rt.cfg.seed * 7919 + server_round * 31 + rt.partition_id
         batches = fingerprint_batches(rt.train, cfg.batches, rt.cfg.train.batch_size, seed)
-        gradients, used = adapter_gradients(adapter.model, rt.tokenizer, batches, rt.cfg.train.max_seq_len)
-        vector = layer_normalised(gradients, last_blocks(gradients, cfg.blocks))
+        grads = adapter_gradients(adapter.model, rt.tokenizer, batches, rt.cfg.train.max_seq_len)
+        fingerprinted = grads.last_blocks(cfg.blocks)
+        vector = layer_normalised(grads.gradients, fingerprinted)
         raw = sketch(vector, cfg.sketch_dim, seed=rt.cfg.seed)  # the run's seed: one sketch for every client
         kept = state.get(FINGERPRINT_EMA)
         noise_rng = np.random.default_rng([rt.cfg.seed, server_round, rt.partition_id, 17])
@@ -66,18 +67,18 @@ class FingerprintClient(StrategyClient):
             raw, None if kept is None else kept["ema"], cfg.ema_decay, cfg.noise_scale, cfg.keep_fraction, noise_rng
         )
         state.put(FINGERPRINT_EMA, {"ema": ema})
-        norms = layer_norms(gradients)
+        norms = layer_norms(grads.gradients)
         log.info(
             "partition %d round %d: fingerprint of %d layers over %d batches -> %d numbers",
             rt.partition_id,
             server_round,
-            len(last_blocks(gradients, cfg.blocks)),
-            used,
+            len(fingerprinted),
+            grads.batches,
             fingerprint.size,
         )
         metrics = {
             "layer_names": list(norms),
             "layer_importance": [norms[name] for name in norms],
-            "fingerprint_batches": used,
+            "fingerprint_batches": grads.batches,
         }
         return {"fingerprint": fingerprint}, metrics

@@ -8,10 +8,12 @@ L2-normalised, concatenated and count-sketched with a shared seed.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from common.adapters.lora.ranks import PEFT_PREFIX
 from common.adapters.pqlora.model import find_decoder_blocks
 from common.data import Example
 from common.training import batch_loss
@@ -21,16 +23,26 @@ from ..sketches import count_sketch
 EPS = 1e-12
 
 
-def adapter_gradients(
-    model, tokenizer, batches: Iterable[Sequence[Example]], max_len: int
-) -> tuple[dict[str, np.ndarray], int]:
-    """Gradient of the summed per-batch answer loss with respect to every trainable adapter parameter, grouped
-    per adapted layer: ``{"block<i>.<module path>": flat float32 gradient}`` (a LoRA layer's A and B together), and
-    the number of batches used.
+@dataclass
+class AdapterGradients:
+    """Per adapted layer (peft's module path, ``model.layers.29.self_attn.q_proj``): the flat gradient of its
+    adapter parameters (a LoRA layer's A and B together) and its decoder block (None outside the blocks)."""
 
-    Parameters outside the decoder blocks (none for q/v LoRA) are grouped under their own names. Gradients are
-    left zeroed; no weight changes.
-    """
+    gradients: dict[str, np.ndarray]
+    block_of: dict[str, int | None]
+    batches: int
+
+    def last_blocks(self, count: int) -> list[str]:
+        """The layers of the last ``count`` blocks that have adapter layers, plus every layer outside the blocks
+        (an adapted output head), sorted."""
+        blocks = sorted({b for b in self.block_of.values() if b is not None})
+        keep = set(blocks[-count:]) if count > 0 else set()
+        return sorted(n for n, b in self.block_of.items() if b is None or b in keep)
+
+
+def adapter_gradients(model, tokenizer, batches: Iterable[Sequence[Example]], max_len: int) -> AdapterGradients:
+    """Gradient of the summed per-batch answer loss with respect to every trainable adapter parameter, grouped per
+    adapted layer. Gradients are left cleared; no weight changes."""
     blocks = find_decoder_blocks(model)
     block_of = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -49,44 +61,27 @@ def adapter_gradients(
         model.train(was_training)
     if used == 0:
         raise ValueError("no batches to fingerprint")
-    layers: dict[str, list[np.ndarray]] = {}
+    parts: dict[str, list[np.ndarray]] = {}
+    layer_block: dict[str, int | None] = {}
     for name, param in named:
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        layers.setdefault(layer_name(name, block_of.get(id(param))), []).append(
-            grad.detach().float().cpu().numpy().ravel()
-        )
+        layer = layer_name(name)
+        parts.setdefault(layer, []).append(grad.detach().float().cpu().numpy().ravel())
+        layer_block[layer] = block_of.get(id(param))
     model.zero_grad(set_to_none=True)
-    return {k: np.concatenate(v).astype(np.float32) for k, v in sorted(layers.items())}, used
+    gradients = {k: np.concatenate(v).astype(np.float32) for k, v in sorted(parts.items())}
+    return AdapterGradients(gradients, layer_block, used)
 
 
-def layer_name(parameter: str, block: int | None) -> str:
-    """``base_model.model.model.layers.29.self_attn.q_proj.lora_B.default.weight`` in block 29 ->
-    ``block29.self_attn.q_proj`` (the adapted module; LoRA's A and B fall together)."""
-    path = parameter.split(".")
+def layer_name(parameter: str) -> str:
+    """``base_model.model.model.layers.29.self_attn.q_proj.lora_B.default.weight`` ->
+    ``model.layers.29.self_attn.q_proj``: the adapted module's path, as peft's ``rank_pattern`` names it (A and B
+    of one LoRA layer fall together)."""
+    path = parameter.removeprefix(PEFT_PREFIX).split(".")
     for marker in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
         if marker in path:
-            path = path[: path.index(marker)]
-            break
-    if block is None:
-        return ".".join(path)
-    index = next((i for i in range(len(path) - 1) if path[i + 1] == str(block) and path[i] in ("layers", "h")), None)
-    inner = path[index + 2 :] if index is not None else path
-    return f"block{block}." + ".".join(inner)
-
-
-def block_index(layer: str) -> int | None:
-    """``block29.self_attn.q_proj`` -> 29; a layer outside the blocks -> None."""
-    head = layer.split(".", 1)[0]
-    return int(head.removeprefix("block")) if head.startswith("block") and head[5:].isdigit() else None
-
-
-def last_blocks(layers: Iterable[str], count: int) -> list[str]:
-    """The layers of the last ``count`` decoder blocks that have any adapter layer, plus every layer outside the
-    blocks (an adapted output head), sorted."""
-    names = sorted(layers)
-    blocks = sorted({b for b in map(block_index, names) if b is not None})
-    keep = set(blocks[-count:]) if count > 0 else set()
-    return [n for n in names if block_index(n) is None or block_index(n) in keep]
+            return ".".join(path[: path.index(marker)])
+    return ".".join(path)
 
 
 def layer_normalised(gradients: dict[str, np.ndarray], layers: Sequence[str]) -> np.ndarray:

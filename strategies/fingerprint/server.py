@@ -33,6 +33,7 @@ class FingerprintReport:
     layer_names: list[str]
     importance: np.ndarray
     tasks: str
+    memory_mb: float | None = None  # the client's memory budget for its adapter (ATLAS's rank allocation)
 
 
 def read_fingerprint(arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
@@ -59,7 +60,11 @@ def read_fingerprint(arrays: Arrays, metrics: dict[str, Any]) -> FingerprintRepo
         raise ValueError(f"layer_importance must give one number for each of the {len(names)} layer_names")
     if not np.all(np.isfinite(importance)) or np.any(importance < 0):
         raise ValueError("layer_importance must be finite and non-negative")
-    return FingerprintReport(fingerprint, names, importance, str(metrics.get("tasks", "")))
+    budget = metrics.get("memory_mb")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
+        raise ValueError(f"memory_mb must be a positive number, got {budget!r}")
+    memory = None if budget is None else float(budget)
+    return FingerprintReport(fingerprint, names, importance, str(metrics.get("tasks", "")), memory)
 
 
 class FingerprintStrategy(Strategy):
@@ -202,6 +207,7 @@ class FingerprintStrategy(Strategy):
                 "importance": report.importance,
                 "layer_names": np.array(report.layer_names),
                 "tasks": np.array([report.tasks]),
+                "memory_mb": np.array([np.nan if report.memory_mb is None else report.memory_mb]),
             }
             for pid, report in sorted(self.reports.items())
         }
@@ -215,6 +221,7 @@ class FingerprintStrategy(Strategy):
                     [str(n) for n in arrays["layer_names"].tolist()],
                     np.asarray(arrays["importance"], dtype=np.float64),
                     str(arrays["tasks"][0]),
+                    None if np.isnan(arrays["memory_mb"][0]) else float(arrays["memory_mb"][0]),
                 )
         families = sorted({self.family_of_partition[p] for p in self.reports if p in self.family_of_partition})
         if families:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+import math
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from common.config import Section
 
@@ -16,10 +17,23 @@ class MiraSection(Section):
 
     key: ClassVar[str] = "mira"
     # RBF bandwidth over the PCA-reduced fingerprints; "median": 1 / median pairwise squared distance
-    alpha: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["median"] = "median"
+    alpha: float | Literal["median"] = "median"
     eta: float = Field(0.1, ge=0, le=1, allow_inf_nan=False)  # 0: local-only training; 1: the neighbours' mean
     refresh_every: int = Field(0, ge=0)  # new fingerprints (and adjacency) every N rounds; 0: once, in round 1
     min_group_size: int = Field(3, ge=3)  # secure mode: SecAgg+ groups of the adjacency graph, never smaller
+
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _alpha(cls, value: Any) -> Any:
+        if value == "median":
+            return value
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number >= 0 or 'median', got {value!r}") from None
+        if not 0 <= number < math.inf:
+            raise ValueError(f"expected a number >= 0 or 'median', got {value!r}")
+        return number
 
     def alpha_for(self, median: float) -> float:
         return median if self.alpha == "median" else float(self.alpha)

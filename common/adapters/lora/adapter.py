@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..base import Arrays, ClientState
 from .config import LoraSection
 from .model import attach_lora, detach_lora, get_adapter_arrays, save_peft_adapter, set_adapter_arrays
+from .ranks import ranks
 
 if TYPE_CHECKING:
     from torch import nn
@@ -68,4 +69,8 @@ class LoraAdapter:
 
     @staticmethod
     def save_server_copy(arrays: Arrays, cfg: RunConfig, base_model_name: str, out_dir: Path) -> Path:
-        return save_peft_adapter(arrays, cfg.section(LoraSection), base_model_name, out_dir)
+        """A PEFT directory; layers whose rank differs from ``lora.r`` (ATLAS's per-client ranks) are written into
+        its ``rank_pattern``, so ``PeftModel.from_pretrained`` rebuilds the same shapes."""
+        lora = cfg.section(LoraSection)
+        pattern = {path: r for path, r in ranks(arrays).items() if r != lora.r}
+        return save_peft_adapter(arrays, lora.model_copy(update={"rank_pattern": pattern}), base_model_name, out_dir)

@@ -19,8 +19,11 @@ from .config import LoraSection
 def lora_config(cfg: LoraSection, base_model_name: str = ""):
     from peft import LoraConfig
 
+    rank_pattern, alpha_pattern = cfg.peft_patterns()
     return LoraConfig(
         r=cfg.r,
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
         # cast: peft annotates lora_alpha as int, but only divides by it (scaling = lora_alpha / r); a float alpha is
         # intended and works.
         lora_alpha=cast(int, cfg.alpha),

@@ -1,0 +1,80 @@
+"""ATLAS's client half on a tiny random Llama: a client attaches its own per-layer ranks (scale alpha / r kept),
+takes its slots of the group's padded arrays, trains, and sends its slots padded back with slot masks; the server's
+copy of such an adapter loads in peft with the same shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Context, RecordDict
+
+from client_app.runtime import ClientRuntime, LoadedModel
+from common.adapters import ClientState, adapter_kind
+from common.adapters.lora import LoraAdapter
+from common.adapters.lora import ranks as lora_ranks
+from common.config import RunConfig
+from common.data import Example
+from common.model import load_base_model, load_tokenizer
+from common.training import train_round
+from strategies import strategy_spec
+from strategies.atlas import AtlasClient, AtlasSection
+
+EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8)]
+
+
+def runtime(tiny_llama_dir, node_config=None) -> ClientRuntime:
+    cfg = RunConfig.from_flat({"strategy": "atlas", "lora.r": 4, "lora.alpha": 8, "atlas.memory-mb": "3"})
+    loaded = LoadedModel(str(tiny_llama_dir), load_base_model(str(tiny_llama_dir), "fp32", "cpu"), None, 1)
+    loaded.tokenizer = load_tokenizer(str(tiny_llama_dir))
+    adapter = loaded.attach(adapter_kind(cfg.adapter), cfg)
+    ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    state = ClientState(ctx.state, strategy_spec("atlas").state_keys(cfg))
+    return ClientRuntime(cfg, loaded, adapter, AtlasClient(cfg), state, 0, 1, EXAMPLES, EXAMPLES, node_config or {})
+
+
+def test_own_ranks_are_attached_trained_and_sent_padded_with_masks(tiny_llama_dir, tmp_path):
+    from peft import PeftModel
+
+    rt = runtime(tiny_llama_dir)
+    paths = sorted(lora_ranks.layers(rt.adapter.initial))
+    own = {p: (2 if i % 2 else 6) for i, p in enumerate(paths)}
+    wire = {p: 8 for p in paths}
+    config = {"lora-ranks": ",".join(str(own[p]) for p in paths), "wire-ranks": ",".join("8" for _ in paths)}
+    client = rt.strategy
+    client.configure(rt, config)
+    assert lora_ranks.ranks(rt.adapter.initial) == own  # the client's own adapter, not the wire's
+    for name, module in rt.adapter.model.named_modules():
+        if hasattr(module, "scaling") and isinstance(module.scaling, dict) and "default" in module.scaling:
+            assert module.scaling["default"] == 8 / 4  # alpha / r of the run, whatever the layer's rank
+    reference = client.wire_reference(rt, config)
+    assert lora_ranks.ranks(lora_ranks.without_masks(reference)) == wire
+    rng = np.random.default_rng(0)
+    received = {k: rng.normal(scale=0.1, size=v.shape).astype(np.float32) for k, v in reference.items()}
+    start = client.start(rt, received)
+    assert lora_ranks.ranks(start) == own
+    a_name = lora_ranks.layers(start)[paths[0]][0]
+    np.testing.assert_array_equal(start[a_name], received[a_name][: own[paths[0]]])  # its slots of the group's
+    rt.adapter.begin(rt.state, start)
+    rt.adapter.prepare_training(None)
+    settings = rt.cfg.train_settings()
+    train_round(rt.adapter.model, rt.tokenizer, EXAMPLES, settings, 0.01, seed=0)
+    trained, _ = rt.adapter.outgoing(None)
+    sent, _ = client.outgoing(rt, trained, None)
+    assert {k: v.shape for k, v in sent.items()} == {k: v.shape for k, v in reference.items()}
+    for path, (a, b) in lora_ranks.layers(lora_ranks.without_masks(sent)).items():
+        assert not sent[a][own[path] :].any() and not sent[b][:, own[path] :].any()  # padding stays zero
+        np.testing.assert_array_equal(sent[lora_ranks.MASK_PREFIX + path], np.arange(8) < own[path])
+    assert any(np.abs(sent[b]).sum() > 0 for _, b in lora_ranks.layers(lora_ranks.without_masks(sent)).values())
+
+    out = LoraAdapter.save_server_copy(lora_ranks.without_masks(sent), rt.cfg, str(tiny_llama_dir), tmp_path / "a")
+    loaded = PeftModel.from_pretrained(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), str(out))
+    shapes = {n: tuple(p.shape) for n, p in loaded.named_parameters() if "lora_A" in n}
+    assert sorted(s[0] for s in shapes.values()) == sorted(wire.values())
+
+
+def test_without_ranks_the_client_uses_the_runs_adapter_and_a_nodes_budget_wins(tiny_llama_dir):
+    rt = runtime(tiny_llama_dir, {"memory-mb": 2.5})
+    rt.strategy.configure(rt, {})
+    assert set(lora_ranks.ranks(rt.adapter.initial).values()) == {4}
+    assert rt.strategy.wire_reference(rt, {}) is rt.adapter.initial
+    assert rt.cfg.section(AtlasSection).budget(0, rt.node_config) == 2.5  # over the run's atlas.memory-mb = 3
+    assert rt.cfg.section(AtlasSection).budget(0, {}) == 3.0
