@@ -42,9 +42,8 @@ def test_own_ranks_are_attached_trained_and_sent_padded_with_masks(tiny_llama_di
     client = rt.strategy
     client.configure(rt, config)
     assert lora_ranks.ranks(rt.adapter.initial) == own  # the client's own adapter, not the wire's
-    for name, module in rt.adapter.model.named_modules():
-        if hasattr(module, "scaling") and isinstance(module.scaling, dict) and "default" in module.scaling:
-            assert module.scaling["default"] == 8 / 4  # alpha / r of the run, whatever the layer's rank
+    scales = [m.scaling["default"] for m in rt.adapter.model.modules() if isinstance(getattr(m, "scaling", None), dict)]
+    assert len(scales) == len(paths) and set(scales) == {8 / 4}  # alpha / r of the run, whatever the layer's rank
     reference = client.wire_reference(rt, config)
     assert lora_ranks.ranks(lora_ranks.without_masks(reference)) == wire
     rng = np.random.default_rng(0)
