@@ -39,7 +39,10 @@ def loss_change(rows: list[dict], clients: int) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def atlas_run(tmp_path_factory):
     return run(
-        tmp_path_factory, "atlas", "strategy='atlas' secure=true min-train-replies=3 num-server-rounds=1", clients=6
+        tmp_path_factory,
+        "atlas",
+        "strategy='atlas' secure=true min-train-replies=3 num-server-rounds=1 atlas.memory-mb='6,12,24'",
+        clients=6,
     )
 
 
@@ -56,6 +59,19 @@ def test_atlas_finds_the_two_task_clusters_and_secures_each(atlas_run):
     assert len(trained) == 6 and all(r["accepted"] and "secagg_clipped" in r for r in trained)  # through SecAgg+
     assert (run_dir / "clusters" / "round-001-smollm2-135m-instruct.png").exists()
     assert (run_dir / "cluster-loss.png").exists()
+
+
+def test_atlas_ranks_fit_each_budget_and_differ_between_clients(atlas_run):
+    run_dir, rows = atlas_run
+    aggregate = next(r for r in rows if r["round"] == 1 and r["node"] is None)
+    (family,) = aggregate["atlas"].values()
+    assert len(family["layers"]) == 60 and len(family["ranks"]) == 6  # q/v of SmolLM2's 30 blocks
+    for partition, budget in family["budget_mb"].items():
+        assert budget == [6, 12, 24][int(partition) % 3]
+        assert family["adapter_mb"][partition] <= budget
+    totals = {p: sum(r) for p, r in family["ranks"].items()}
+    assert totals["2"] > totals["0"] and totals["5"] > totals["3"]  # more memory, more rank
+    assert (run_dir / "ranks" / "round-001-smollm2-135m-instruct.png").exists()
 
 
 def test_atlas_every_clients_held_out_loss_falls(atlas_run):
