@@ -24,7 +24,7 @@ def run(tmp_path_factory, name: str, config: str, clients: int) -> tuple:
         stop_superlink(home)
     assert proc.returncode == 0 and (run_dir / "metrics.jsonl").exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return run_dir, rows
+    return run_dir, rows, proc.stdout + proc.stderr
 
 
 def loss_change(rows: list[dict], clients: int) -> dict[int, float]:
@@ -47,7 +47,7 @@ def atlas_run(tmp_path_factory):
 
 
 def test_atlas_finds_the_two_task_clusters_and_secures_each(atlas_run):
-    run_dir, rows = atlas_run
+    run_dir, rows, log = atlas_run
     aggregate = next(r for r in rows if r["round"] == 1 and r["node"] is None)
     (family,) = aggregate["atlas"].values()
     assert family["k"] == 2 and family["purity"] == 1.0 and family["group_purity"] == 1.0, family
@@ -56,13 +56,17 @@ def test_atlas_finds_the_two_task_clusters_and_secures_each(atlas_run):
         groups.setdefault(group, []).append(partition)
     assert sorted(groups.values()) == [[0, 2, 4], [1, 3, 5]]
     trained = [r for r in rows if r["round"] == 1 and r["node"] is not None]
-    assert len(trained) == 6 and all(r["accepted"] and "secagg_clipped" in r for r in trained)  # through SecAgg+
+    assert len(trained) == 6 and all(r["accepted"] for r in trained)
+    assert "SecAgg+" in log and {r["group"] for r in trained} == {
+        "smollm2-135m-instruct-c0",
+        "smollm2-135m-instruct-c1",
+    }
     assert (run_dir / "clusters" / "round-001-smollm2-135m-instruct.png").exists()
     assert (run_dir / "cluster-loss.png").exists()
 
 
 def test_atlas_ranks_fit_each_budget_and_differ_between_clients(atlas_run):
-    run_dir, rows = atlas_run
+    run_dir, rows, _ = atlas_run
     aggregate = next(r for r in rows if r["round"] == 1 and r["node"] is None)
     (family,) = aggregate["atlas"].values()
     assert len(family["layers"]) == 60 and len(family["ranks"]) == 6  # q/v of SmolLM2's 30 blocks
@@ -81,7 +85,20 @@ def test_atlas_every_clients_held_out_loss_falls(atlas_run):
 
 @pytest.fixture(scope="module")
 def mira_run(tmp_path_factory):
-    return run(tmp_path_factory, "mira", "strategy='mira' mira.eta=0.5 num-server-rounds=2", clients=4)
+    """One round, then the server stopped and the run resumed to round 2 (a new simulation: the server restores
+    the graph and the neighbour terms from its checkpoint; the clients' node state is new)."""
+    home = prepare_home(tmp_path_factory.mktemp("flwr-home-mira"))
+    run_dir = tmp_path_factory.mktemp("mira") / "run"
+    config = f"{COMMON} strategy='mira' mira.eta=0.5 run-dir='{run_dir}'"
+    try:
+        first = flwr_run(home, f"{config} num-server-rounds=1", num_clients=4, timeout=1500)
+        assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+        resumed = flwr_run(home, f"{config} num-server-rounds=2 resume=true", num_clients=4, timeout=1500)
+        assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    finally:
+        stop_superlink(home)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return run_dir, rows
 
 
 def test_mira_every_clients_held_out_loss_falls(mira_run):
@@ -96,3 +113,11 @@ def test_mira_every_clients_held_out_loss_falls(mira_run):
     assert (run_dir / "adjacency" / "round-001-smollm2-135m-instruct.png").exists()
     for partition in range(4):
         assert (run_dir / "client-adapters" / f"partition-{partition}" / "adapter_config.json").exists()
+
+
+def test_mira_resume_keeps_the_graph_without_new_fingerprints(mira_run):
+    _, rows = mira_run
+    by_round = {k: next(r for r in rows if r["round"] == k and r["node"] is None) for k in (1, 2)}
+    assert by_round[2]["mira"] == by_round[1]["mira"]  # restored from the checkpoint, not recomputed from new data
+    assert all("report_bytes" in r for r in rows if r["round"] == 1 and r["node"] is not None)
+    assert not any("report_bytes" in r for r in rows if r["round"] == 2 and r["node"] is not None)

@@ -61,7 +61,7 @@ class Atlas(FingerprintStrategy):
         seed: the run's seed (PCA and k-means).
 
     State: ``adapter-<partition>`` (the adapter of each client's cluster: it follows the client when clusters
-    change), ``groups`` (each partition's group) and ``fingerprint-<partition>``.
+    change) and ``fingerprint-<partition>`` (the clusters and ranks are recomputed from these, deterministically).
     """
 
     name = "atlas"
