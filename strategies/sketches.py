@@ -60,3 +60,22 @@ def sanitize_signature(
         mask[rng.choice(m, size=keep, replace=False)] = True
         noisy = np.where(mask.reshape(noisy.shape), noisy, 0.0)
     return noisy.astype(np.float32), ema_new
+
+
+def report_vector(arrays: dict[str, np.ndarray], name: str, max_size: int, max_abs: float) -> np.ndarray:
+    """A client's description vector ``arrays[name]`` as float32, refused (ValueError naming why) unless it is a
+    1-D vector of 1..``max_size`` finite numbers within +-``max_abs`` (their squares must not overflow a
+    distance or a cosine)."""
+    vector = arrays.get(name)
+    if vector is None:
+        raise ValueError(f"report lacks the '{name}' array")
+    if vector.ndim != 1 or not 0 < vector.size <= max_size:
+        raise ValueError(f"{name} must be a vector of 1 to {max_size} numbers, got {vector.shape}")
+    with np.errstate(over="ignore"):  # beyond float32: Inf, refused below
+        vector = np.asarray(vector, dtype=np.float32)
+    if not np.all(np.isfinite(vector)):
+        raise ValueError(f"{name} contains NaN or Inf (as float32)")
+    largest = float(np.abs(vector).max())
+    if largest > max_abs:
+        raise ValueError(f"{name} values must be within +-{max_abs:g}, got {largest:.3g}")
+    return vector

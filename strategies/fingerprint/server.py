@@ -17,6 +17,7 @@ from common.records import metric_list
 
 from ..base import MIN_SECURE_GROUP, Arrays, ClientInfo, Strategy
 from ..fedavg.server import family_key
+from ..sketches import report_vector
 from .pca import LOW_EXPLAINED_VARIANCE, Reduced, reduce_fingerprints
 
 log = get_logger("tessera.server")
@@ -38,19 +39,7 @@ class FingerprintReport:
 
 def read_fingerprint(arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
     """A finite 1-D fingerprint within bounds and one finite, non-negative importance per named layer."""
-    fingerprint = arrays.get("fingerprint")
-    if fingerprint is None:
-        raise ValueError("report lacks the 'fingerprint' array")
-    if fingerprint.ndim != 1 or not 0 < fingerprint.size <= MAX_FINGERPRINT_SIZE:
-        raise ValueError(
-            f"fingerprint must be a vector of 1 to {MAX_FINGERPRINT_SIZE} numbers, got {fingerprint.shape}"
-        )
-    with np.errstate(over="ignore", invalid="ignore"):
-        fingerprint = np.asarray(fingerprint, dtype=np.float64)
-    if not np.all(np.isfinite(fingerprint)):
-        raise ValueError("fingerprint contains NaN or Inf")
-    if np.abs(fingerprint).max() > MAX_FINGERPRINT_ABS:
-        raise ValueError(f"fingerprint values must be within +-{MAX_FINGERPRINT_ABS:g}")
+    fingerprint = report_vector(arrays, "fingerprint", MAX_FINGERPRINT_SIZE, MAX_FINGERPRINT_ABS).astype(np.float64)
     names = [str(n) for n in metric_list(metrics.get("layer_names"), str)]
     try:
         importance = np.asarray(metric_list(metrics.get("layer_importance")), dtype=np.float64)

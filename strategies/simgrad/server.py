@@ -25,6 +25,7 @@ import numpy as np
 from common.logs import get_logger
 
 from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
+from ..sketches import report_vector
 from . import plots
 from .config import SimGradSection
 from .relevance import (
@@ -113,18 +114,7 @@ class SimGrad(Strategy):
 
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> ClientReport:
         """A finite, non-zero 1-D signature and one finite, non-negative salience per adapter block."""
-        signature = arrays.get("signature")
-        if signature is None:
-            raise ValueError("report lacks the 'signature' array")
-        if signature.ndim != 1 or not 0 < signature.size <= MAX_SIGNATURE_SIZE:
-            raise ValueError(f"signature must be a vector of 1 to {MAX_SIGNATURE_SIZE} numbers, got {signature.shape}")
-        with np.errstate(over="ignore"):  # beyond float32: Inf, refused below
-            signature = np.asarray(signature, dtype=np.float32)
-        if not np.all(np.isfinite(signature)):
-            raise ValueError("signature contains NaN or Inf (as float32)")
-        if np.abs(signature).max() > MAX_SIGNATURE_ABS:  # its squares would overflow the cosine to NaN
-            largest = float(np.abs(signature).max())
-            raise ValueError(f"signature values must be within +-{MAX_SIGNATURE_ABS:g}, got {largest:.3g}")
+        signature = report_vector(arrays, "signature", MAX_SIGNATURE_SIZE, MAX_SIGNATURE_ABS)
         if not np.any(signature):
             raise ValueError("signature is all zeros (cosine relevance undefined)")
         num_blocks = len({block_of(k) for k in self.names})
