@@ -81,6 +81,15 @@ PRESETS: dict[str, Preset] = {
                 "model.partition-models": f"{SMOLLM2_ALIAS},{SMOLLM2_ALIAS},{QWEN_CODER_ALIAS},{QWEN_CODER_ALIAS}",
             },
         ),
+        Preset(
+            "tasks-clustered",
+            "6 clients, three per task (BoolQ, ASDiv): two true clusters of three, so each can be one SecAgg+ group. "
+            "ATLAS should find them from fingerprints (compare atlas.clustering='oracle'); MIRA's graph should "
+            "weight the same-task neighbours; FedAvg mixes both tasks.",
+            clients=6,
+            rounds=3,
+            overrides={**_BUDGET, "data.tasks": "boolq,asdiv", "data.partitioning": "by-task"},
+        ),
     )
 }
 
