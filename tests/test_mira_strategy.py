@@ -121,3 +121,31 @@ def test_checkpoint_keeps_the_graph_and_the_neighbour_terms():
     for i in range(5):
         for k in SHAPES:
             np.testing.assert_array_equal(resumed.eval_arrays(100 + i)[k], strategy.eval_arrays(100 + i)[k])
+
+
+def test_eta_zero_clients_train_only_their_own_adapter():
+    """mira.eta = 0 reduces to local-only training: whatever neighbour term arrives, a client starts every round
+    from exactly the adapter it trained (with eta > 0 it moves toward the term)."""
+    from types import SimpleNamespace
+
+    from flwr.app import RecordDict
+
+    from common.adapters import ClientState
+    from common.config import RunConfig
+    from strategies.mira.client import OWN_ADAPTER, MiraClient
+
+    def client(eta):
+        cfg = RunConfig.from_flat({"strategy": "mira", "mira.eta": eta})
+        state = ClientState(RecordDict(), (OWN_ADAPTER,))
+        rt = SimpleNamespace(state=state, adapter=SimpleNamespace(initial={k: v.copy() for k, v in initial().items()}))
+        return MiraClient(cfg), rt
+
+    neighbours = trained(4)
+    for eta in (0.0, 0.5):
+        mira_client, rt = client(eta)
+        np.testing.assert_array_equal(mira_client.start(rt, initial())["a"], initial()["a"])  # round 1
+        sent, _ = mira_client.outgoing(rt, trained(1), None)  # the trained adapter is kept and sent
+        np.testing.assert_array_equal(sent["a"], trained(1)["a"])
+        start = mira_client.start(rt, neighbours)
+        expected = trained(1)["a"] if eta == 0 else 0.5 * trained(1)["a"] + 0.5 * neighbours["a"]
+        np.testing.assert_allclose(start["a"], expected, rtol=1e-6)
