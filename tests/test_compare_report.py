@@ -101,8 +101,8 @@ def test_strategy_items_and_overrides_become_one_run_config():
         "local",
     ]
     assert parse_strategy("simgrad:pqlora.r=4") == ("simgrad:pqlora.r=4", "simgrad", "pqlora.r=4")
-    with pytest.raises(SystemExit, match="'mira' is not a registered strategy"):
-        parse_strategy("mira")
+    with pytest.raises(SystemExit, match="'vemoe' is not a registered strategy"):
+        parse_strategy("vemoe")
     from pathlib import Path
 
     text = run_config(
