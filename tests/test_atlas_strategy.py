@@ -189,3 +189,21 @@ def test_a_budget_that_fits_no_rank_is_refused():
             {"fingerprint": np.ones(4)},
             {"layer_names": ["x"], "layer_importance": [1.0], "memory_mb": 0.001, "model": "small"},
         )
+
+
+def test_figures_of_a_clustering_round_and_the_run(tmp_path):
+    strategy = ranked_atlas([0.1, 0.03, 0.1, 0.03], [0, 1, 0, 1], k=2)
+    row = {"atlas": strategy.report()["atlas"]}
+    drawn = strategy.plot_round(1, row, tmp_path)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in drawn) == [
+        "clusters/round-001-small.png",
+        "ranks/round-001-small.png",
+    ]
+    assert strategy.plot_round(2, row, tmp_path) == []  # no new clustering in round 2: nothing redrawn
+    rows = [row | {"round": 1, "node": None}] + [
+        {"round": r, "node": 100 + p, "partition_id": p, "eval_loss": 2.0 - r * (p + 1) / 10}
+        for r in (0, 1)
+        for p in range(4)
+    ]
+    (figure,) = strategy.plot_run(rows, tmp_path)
+    assert figure.name == "cluster-loss.png" and figure.stat().st_size > 5_000

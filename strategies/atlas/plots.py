@@ -10,12 +10,12 @@ from server_app.plots import integer_rounds, pyplot, save
 
 
 def fingerprints(server_round: int, families: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Per family: the first two PCA components of each client's fingerprint, coloured by cluster (left) and by
-    task set (right), each point labelled with its partition."""
+    """Per family clustered this round: the first two PCA components of each client's fingerprint, coloured by
+    cluster (left) and by task set (right), each point labelled with its partition."""
     paths = []
     for family, row in sorted(families.items()):
         points = row.get("points") or []
-        if not points or "clusters" not in row:
+        if not points or "clusters" not in row or row.get("clustered_round") != server_round:
             continue
         plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(9, 4))
@@ -74,10 +74,10 @@ def cluster_loss(rows: list[dict[str, Any]], out: Path) -> Path:
 
 def rank_allocation(server_round: int, families: dict[str, Any], out_dir: Path) -> list[Path]:
     """Per family: every client's smallest, mean and largest LoRA rank against its memory budget, coloured by
-    cluster (seed 003's rank-allocation figure)."""
+    cluster (seed 003's rank-allocation figure), on the rounds ranks were allocated."""
     paths = []
     for family, row in sorted(families.items()):
-        if not row.get("ranks"):
+        if not row.get("ranks") or row.get("clustered_round") != server_round:
             continue
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 4))

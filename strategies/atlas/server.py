@@ -81,6 +81,7 @@ class Atlas(FingerprintStrategy):
         self.ranks_of: dict[int, dict[str, int]] = {}  # partition -> its LoRA ranks (clients with a budget)
         self.scale_of: dict[int, float] = {}  # partition -> its cluster's complexity scale (of its budget)
         self._slot_fallback: dict[str, Arrays] = {}  # group -> the adapter its never-trained slots keep
+        self.clustered_round: dict[str, int] = {}  # family -> the round its clusters were computed in
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Atlas:
@@ -135,6 +136,7 @@ class Atlas(FingerprintStrategy):
             if self.secure:
                 groups, merges = merge_small_clusters(clustering.labels, clustering.centroids, self.cfg.min_group_size)
             self.clusterings[family], self.group_labels[family], self.merges[family] = clustering, groups, merges
+            self.clustered_round[family] = server_round
             tasks = [self.reports[p].tasks for p in members]
             cluster_purity, group_purity = purity(clustering.labels.tolist(), tasks), purity(groups.tolist(), tasks)
             log.info(
@@ -303,6 +305,7 @@ class Atlas(FingerprintStrategy):
                     "purity": purity(clustering.labels.tolist(), row["tasks"]),
                     "group_purity": purity(groups.tolist(), row["tasks"]),
                     "merges": self.merges.get(family, []),
+                    "clustered_round": self.clustered_round.get(family),
                 }
             )
             layers = self.layers(family)
