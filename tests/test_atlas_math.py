@@ -6,6 +6,7 @@ import pytest
 from sklearn.datasets import make_blobs
 from sklearn.metrics import calinski_harabasz_score, davies_bouldin_score, silhouette_score
 
+from common.adapters.lora import ranks as lora_ranks
 from strategies.atlas.clustering import (
     canonical_labels,
     choose_clusters,
@@ -14,7 +15,7 @@ from strategies.atlas.clustering import (
     oracle_clusters,
     purity,
 )
-from strategies.atlas.ranks import Layer, adapter_mb, allocate_ranks, pad_rank, slot_average, slot_mask
+from strategies.atlas.ranks import Layer, adapter_mb, allocate_ranks, slot_average
 from strategies.fingerprint.pca import reduce_fingerprints
 
 
@@ -99,11 +100,14 @@ def test_zero_padded_slot_average_equals_a_hand_computed_case():
     # client 0: rank 1, weight 1; client 1: rank 2, weight 3 (A is r x in, B is out x r)
     a0, b0 = np.array([[1.0, 1.0]]), np.array([[2.0], [2.0]])
     a1, b1 = np.array([[5.0, 5.0], [7.0, 7.0]]), np.array([[6.0, 8.0], [6.0, 8.0]])
-    (pa0, pb0), (pa1, pb1) = pad_rank(a0, b0, 2), pad_rank(a1, b1, 2)
+    names = ("base_model.model.x.lora_A.weight", "base_model.model.x.lora_B.weight")
+    padded = [lora_ranks.resize(dict(zip(names, ab)), {"x": 2}) for ab in ((a0, b0), (a1, b1))]
+    (pa0, pb0), (pa1, pb1) = ((p[names[0]], p[names[1]]) for p in padded)
     w = np.array([1.0, 3.0])
     mean_a = (w[0] * pa0 + w[1] * pa1) / w.sum()
     mean_b = (w[0] * pb0 + w[1] * pb1) / w.sum()
-    mask = (w[0] * slot_mask(1, 2) + w[1] * slot_mask(2, 2)) / w.sum()
+    masks = [lora_ranks.masks({"x": r}, {"x": 2})["rank-mask.x"] for r in (1, 2)]
+    mask = (w[0] * masks[0] + w[1] * masks[1]) / w.sum()
     avg_a, avg_b = slot_average(mean_a, mask, axis=0), slot_average(mean_b, mask, axis=1)
     # slot 0: both clients, weights 1 and 3; slot 1: client 1 alone
     np.testing.assert_allclose(avg_a, [[(1 + 3 * 5) / 4] * 2, [7.0, 7.0]])

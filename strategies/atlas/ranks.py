@@ -82,24 +82,6 @@ def complexity_scale(fingerprints: np.ndarray, labels: np.ndarray) -> dict[int, 
     return {c: 0.5 + 0.5 * (v / top if top > 0 else 1.0) for c, v in complexity.items()}
 
 
-def slot_mask(rank: int, max_rank: int) -> np.ndarray:
-    """1 for the rank slots a client trains (the first ``rank``), 0 for the padding up to ``max_rank``."""
-    if not 1 <= rank <= max_rank:
-        raise ValueError(f"rank {rank} outside 1..{max_rank}")
-    return (np.arange(max_rank) < rank).astype(np.float32)
-
-
-def pad_rank(a: np.ndarray, b: np.ndarray, max_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """Zero-pad LoRA's A (r x in) and B (out x r) to ``max_rank`` slots."""
-    r = a.shape[0]
-    if b.shape[1] != r or r > max_rank:
-        raise ValueError(f"A {a.shape} and B {b.shape} are not one rank-{r} LoRA of at most {max_rank}")
-    pa = np.zeros((max_rank, a.shape[1]), dtype=np.float32)
-    pb = np.zeros((b.shape[0], max_rank), dtype=np.float32)
-    pa[:r], pb[:, :r] = a, b
-    return pa, pb
-
-
 def slot_average(weighted_mean: np.ndarray, mask_mean: np.ndarray, axis: int) -> np.ndarray:
     """Per rank slot: the members' weighted mean restricted to those who have the slot.
 
