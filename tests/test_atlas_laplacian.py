@@ -140,3 +140,32 @@ def test_laplacian_keys_are_validated():
         RunConfig.from_flat({"strategy": "atlas", "atlas.laplacian-eta": 1.5})
     with pytest.raises(ConfigError, match="atlas.laplacian-alpha"):
         RunConfig.from_flat({"strategy": "atlas", "atlas.laplacian-alpha": "wide"})
+
+
+def test_clusters_with_different_wire_ranks_mix_only_their_own_shapes():
+    strategy = Atlas(AtlasSection(ranks=[4, 8, 16], laplacian_eta=0.5, k=2), FingerprintSection())
+    strategy.initialise({100 + i: ClientInfo(100 + i, i, "small", lora_initial()) for i in range(4)})
+    names = [f"model.layers.{b}.self_attn.q_proj" for b in range(3)]
+    budgets = [0.1, 0.03, 0.1, 0.03]  # cluster of task 0: large ranks; task 1: small ones
+    strategy.observe_reports(
+        1,
+        {
+            100 + i: FingerprintReport(report(i, i % 2).fingerprint, names, np.ones(3), f"task{i % 2}", budgets[i])
+            for i in range(4)
+        },
+    )
+    groups = strategy.train_groups(1, [100, 101, 102, 103])
+    a_name = PEFT.format(0, "A")
+    wires = {g.members[0]: g.start[g.members[0]][a_name].shape[0] for g in groups}
+    assert wires[100] == wires[102] > wires[101] == wires[103]
+    sent = {}
+    for g in groups:
+        (nid,) = g.members
+        arrays = dict(g.start[nid])
+        arrays[a_name] = np.full_like(arrays[a_name], float(nid - 99))  # client p's A holds p + 1
+        sent[g.name] = arrays
+    strategy.update(1, [GroupResult(g.name, sent[g.name], 1.0, g.members) for g in groups])
+    for p in range(4):  # the only neighbour in p's cluster is p ^ 2: its term is that partner's adapter
+        term = strategy.adapter_of[p][a_name]
+        assert term.shape[0] == wires[100 + p]
+        np.testing.assert_allclose(term, float((p ^ 2) + 1))

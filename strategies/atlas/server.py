@@ -302,20 +302,24 @@ class Atlas(FingerprintStrategy):
         return slot_mean(mean, self._slot_fallback.get(unit)) if self.ranked else mean
 
     def _neighbour_terms(self, means: dict[str, Arrays]) -> None:
-        """N_k = sum_l a_kl W_l over k's cluster, from the units' means (``mix_group_means``: exact when every
-        client is its own unit); a client with no neighbour that trained gets its own unit's mean (no pull)."""
+        """N_k = sum_l a_kl W_l over k's cluster, mixed from the means of the units inside k's group (one shape:
+        the group's wire ranks; exact when every client is its own unit); a client none of whose neighbours
+        trained gets its own unit's mean (no pull)."""
         units = self._units()
-        for family, members in sorted(self.members.items()):
-            index = {p: i for i, p in enumerate(members)}
-            mine = [(name, ps) for name, ps in units if ps and ps[0] in index]
+        for _, partitions in self._groups():
+            family = self.family_of_partition[partitions[0]]
+            rows = [self.members[family].index(p) for p in partitions]
+            local = {p: i for i, p in enumerate(partitions)}
+            inside = [(name, ps) for name, ps in units if ps[0] in local]
             mixed = mix_group_means(
-                self.adjacency[family], [[index[p] for p in ps] for _, ps in mine], [means.get(n) for n, _ in mine]
+                self.adjacency[family][np.ix_(rows, rows)],
+                [[local[p] for p in ps] for _, ps in inside],
+                [means.get(name) for name, _ in inside],
             )
-            names = set(self.initial[family])
-            for unit, partitions in mine:
-                for p in partitions:
-                    term: Arrays | None = mixed[index[p]]
-                    if not names <= set(term or {}):
+            for unit, ps in inside:
+                for p in ps:
+                    term: Arrays | None = mixed[local[p]]
+                    if not set(self.initial[family]) <= set(term or {}):
                         term = means.get(unit)
                     if term is not None:
                         self.adapter_of[p] = self._finish(term, unit)
