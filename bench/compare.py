@@ -89,12 +89,14 @@ def read_run(metrics_path: Path, label: str, seed: int) -> list[dict[str, Any]]:
     """The comparison rows of one finished run (one per client and round) from its metrics.jsonl."""
     rows = []
     seconds: dict[int, float] = {}
+    clustering: dict[str, float] = {}
     for line in metrics_path.read_text().splitlines():
         if not line.strip():
             continue
         row = json.loads(line)
         if row["node"] is None:
             seconds[row["round"]] = row["seconds"]
+            clustering = clustering_scores(row) or clustering
         elif row.get("partition_id") is not None:
             rows.append(
                 {
@@ -109,7 +111,17 @@ def read_run(metrics_path: Path, label: str, seed: int) -> list[dict[str, Any]]:
             )
     for row in rows:
         row["seconds"] = seconds.get(row["round"])
+        row.update(clustering)
     return rows
+
+
+def clustering_scores(aggregate: dict[str, Any]) -> dict[str, float]:
+    """A clustering strategy's purity and silhouette in one aggregate row (ATLAS: ``atlas.<family>``), averaged
+    over its model families; empty where the row has none."""
+    families = [f for f in (aggregate.get("atlas") or {}).values() if f.get("purity") is not None]
+    if not families:
+        return {}
+    return {key: sum(float(f[key]) for f in families) / len(families) for key in ("purity", "silhouette")}
 
 
 def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 A row: ``{"strategy", "seed", "client", "round", "eval_loss", "exact_match", "rouge_l", "bytes_up", "bytes_down",
 "seconds"}`` (``seconds``: the round's wall time), optionally ``"peak_rss_mb"`` (of the process that served the client)
-and ``"train_seconds"`` (its local training that round). A strategy is compared on its final round; "negative transfer"
+and ``"train_seconds"`` (its local training that round), and for a clustering strategy (ATLAS) the run's final
+``"purity"`` and ``"silhouette"``. A strategy is compared on its final round; "negative transfer"
 pairs each client with itself under the baseline (local-only training) and the same seed.
 """
 
@@ -25,6 +26,9 @@ class Spread:
 
     def __str__(self) -> str:
         return "n/a" if self.n == 0 else f"{self.mean:.3f} ± {self.spread:.3f}"
+
+
+NO_VALUE = Spread(math.nan, math.nan, 0)
 
 
 def over_seeds(values: Iterable[float]) -> Spread:
@@ -85,6 +89,8 @@ class StrategySummary:
     wall_seconds: Spread
     peak_rss_mb: Spread  # the largest client process's peak resident memory in the run
     train_seconds: Spread  # a client's local training per round, averaged over clients and rounds
+    purity: Spread = NO_VALUE  # a clustering strategy's final cluster-task purity
+    silhouette: Spread = NO_VALUE  # ... and its clusters' silhouette
 
 
 def strategies_in(rows: Sequence[Row]) -> list[str]:
@@ -99,7 +105,21 @@ def summarise(
     for strategy in strategies_in(rows):
         mine = [r for r in rows if r["strategy"] == strategy]
         seeds = sorted({r["seed"] for r in mine})
-        keys = ("mean", "worst", "gap", "count", "size", "em", "rl", "up", "down", "rss", "train")
+        keys = (
+            "mean",
+            "worst",
+            "gap",
+            "count",
+            "size",
+            "em",
+            "rl",
+            "up",
+            "down",
+            "rss",
+            "train",
+            "purity",
+            "silhouette",
+        )
         per: dict[str, list[float]] = {k: [] for k in keys}
         for seed in seeds:
             run = [r for r in mine if r["seed"] == seed]
@@ -117,6 +137,8 @@ def summarise(
                 train = [r["train_seconds"] for r in trained if r.get("train_seconds") is not None]
                 if train:
                     per["train"].append(sum(train) / len(train))
+            for key in ("purity", "silhouette"):  # one value per run, on every row
+                per[key].append(next((r[key] for r in run if r.get(key) is not None), math.nan))
             rss = [r["peak_rss_mb"] for r in run if r.get("peak_rss_mb") is not None]
             if rss:
                 per["rss"].append(max(rss))
@@ -145,6 +167,8 @@ def summarise(
                 over_seeds(walls),
                 over_seeds(per["rss"]),
                 over_seeds(per["train"]),
+                over_seeds(per["purity"]),
+                over_seeds(per["silhouette"]),
             )
         )
     return out
@@ -164,6 +188,8 @@ COLUMNS = (
     ("wall s", "wall_seconds", "{:.0f}", True),
     ("train s/client/round", "train_seconds", "{:.1f}", True),
     ("peak RSS MB", "peak_rss_mb", "{:.0f}", True),
+    ("purity", "purity", "{:.2f}", False),
+    ("silhouette", "silhouette", "{:.2f}", False),
 )
 
 
@@ -180,15 +206,17 @@ def best_by_column(summaries: Sequence[StrategySummary]) -> dict[str, str]:
 
 
 def markdown_table(summaries: Sequence[StrategySummary]) -> str:
-    """The report table: mean ± spread over seeds per column, the best strategy per column in bold."""
+    """The report table: mean ± spread over seeds per column, the best strategy per column in bold; a column no
+    strategy has a value in (purity without a clustering strategy) is left out."""
     best = best_by_column(summaries)
+    columns = [c for c in COLUMNS if any(getattr(s, c[1]).n for s in summaries)]
     lines = [
-        "| strategy | seeds | " + " | ".join(title for title, *_ in COLUMNS) + " |",
-        "|---|---|" + "---|" * len(COLUMNS),
+        "| strategy | seeds | " + " | ".join(title for title, *_ in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
     ]
     for s in summaries:
         cells = []
-        for _, attr, fmt, _ in COLUMNS:
+        for _, attr, fmt, _ in columns:
             value: Spread = getattr(s, attr)
             if not value.n:
                 cells.append("–")

@@ -211,3 +211,28 @@ def test_a_report_that_compared_something_else_is_not_merged(tmp_path, earlier, 
     path.write_text(json.dumps(earlier))
     with pytest.raises(SystemExit, match=re.escape(message)):
         merge_report(_report([2], "B"), path)
+
+
+def test_a_clustering_strategys_purity_and_silhouette_get_columns_only_when_present(tmp_path):
+    from bench.compare import read_run
+
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [
+        {"round": 0, "node": None, "seconds": 1.0},
+        {"round": 1, "node": None, "seconds": 2.0, "atlas": {"m": {"purity": 1.0, "silhouette": 0.6}}},
+        {"round": 2, "node": None, "seconds": 2.0, "atlas": {"m": {"purity": 0.5, "silhouette": 0.2}}},
+    ] + [
+        {"round": r, "node": 10 + c, "partition_id": c, "eval_loss": 2.0 - r, "bytes_up": 0, "bytes_down": 0}
+        for r in range(3)
+        for c in range(2)
+    ]
+    metrics.write_text("\n".join(json.dumps(line) for line in lines))
+    atlas = read_run(metrics, "atlas", 0)
+    assert {(r["purity"], r["silhouette"]) for r in atlas} == {(0.5, 0.2)}  # the run's last clustering
+    plain = rows_of("fedavg", 0, {0: [2.0, 2.0], 2: [1.0, 1.5]})
+    without = markdown_table(summarise(plain, None))
+    assert "purity" not in without and "silhouette" not in without
+    table = markdown_table(summarise(plain + atlas, None))
+    header, _, fedavg_line, atlas_line = table.splitlines()
+    assert header.endswith("| purity | silhouette |")
+    assert fedavg_line.endswith("| – | – |") and atlas_line.endswith("| 0.50 ± 0.00 | 0.20 ± 0.00 |")

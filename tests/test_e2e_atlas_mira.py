@@ -1,6 +1,7 @@
 """End to end: ATLAS under SecAgg+ and MIRA in plaintext through `flwr run . local` on the real 4-bit SmolLM2,
 with clients of two clearly different task sets (BoolQ and ASDiv). ATLAS must find exactly those two clusters from
-the clients' gradient fingerprints; under both strategies every client's held-out loss must fall."""
+the clients' gradient fingerprints; under both strategies every client's held-out loss must fall, and a run stopped
+after round 1 and resumed keeps its clusters, ranks and graph without new fingerprints."""
 
 from __future__ import annotations
 
@@ -15,16 +16,21 @@ pytestmark = pytest.mark.e2e
 COMMON = "data.tasks='boolq,asdiv' train.local-steps=4 eval.max-examples=4 eval.max-new-tokens=4 fingerprint.batches=4"
 
 
-def run(tmp_path_factory, name: str, config: str, clients: int) -> tuple:
+def run_and_resume(tmp_path_factory, name: str, config: str, clients: int) -> tuple:
+    """One round, then the server stopped and the run resumed to round 2: a new simulation, so the server restores
+    its state from the checkpoint and the clients' node state is new. Returns the run dir, metrics rows and logs."""
     home = prepare_home(tmp_path_factory.mktemp(f"flwr-home-{name}"))
     run_dir = tmp_path_factory.mktemp(name) / "run"
+    logs = ""
     try:
-        proc = flwr_run(home, f"{COMMON} {config} run-dir='{run_dir}'", num_clients=clients, timeout=1500)
+        for extra in ("num-server-rounds=1", "num-server-rounds=2 resume=true"):
+            proc = flwr_run(home, f"{COMMON} {config} {extra} run-dir='{run_dir}'", num_clients=clients, timeout=1500)
+            assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+            logs += proc.stdout + proc.stderr
     finally:
         stop_superlink(home)
-    assert proc.returncode == 0 and (run_dir / "metrics.jsonl").exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return run_dir, rows, proc.stdout + proc.stderr
+    return run_dir, rows, logs
 
 
 def loss_change(rows: list[dict], clients: int) -> dict[int, float]:
@@ -38,12 +44,9 @@ def loss_change(rows: list[dict], clients: int) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def atlas_run(tmp_path_factory):
-    return run(
-        tmp_path_factory,
-        "atlas",
-        "strategy='atlas' secure=true min-train-replies=3 num-server-rounds=1 atlas.memory-mb='6,12,24'",
-        clients=6,
-    )
+    """The clusters and ranks come back from the checkpoint's fingerprints, the cluster adapters from its arrays."""
+    config = "strategy='atlas' secure=true min-train-replies=3 atlas.memory-mb='6,12,24'"
+    return run_and_resume(tmp_path_factory, "atlas", config, clients=6)
 
 
 def test_atlas_finds_the_two_task_clusters_and_secures_each(atlas_run):
@@ -83,26 +86,26 @@ def test_atlas_every_clients_held_out_loss_falls(atlas_run):
     assert all(delta < 0 for delta in change.values()), change
 
 
+def test_atlas_resume_keeps_the_clusters_and_ranks_without_new_fingerprints(atlas_run):
+    _, rows, _ = atlas_run
+    assert [r["round"] for r in rows if r["node"] is None] == [0, 1, 2]  # round 0 and 1 not re-run
+    by_round = {k: next(r for r in rows if r["round"] == k and r["node"] is None) for k in (1, 2)}
+    (first,), (second,) = by_round[1]["atlas"].values(), by_round[2]["atlas"].values()
+    for key in ("clusters", "groups", "ranks", "purity"):
+        assert second[key] == first[key], key
+    assert not any("report_bytes" in r for r in rows if r["round"] == 2 and r["node"] is not None)
+    trained = [r for r in rows if r["round"] == 2 and r["node"] is not None]
+    assert len(trained) == 6 and all(r["accepted"] for r in trained)
+
+
 @pytest.fixture(scope="module")
 def mira_run(tmp_path_factory):
-    """One round, then the server stopped and the run resumed to round 2 (a new simulation: the server restores
-    the graph and the neighbour terms from its checkpoint; the clients' node state is new)."""
-    home = prepare_home(tmp_path_factory.mktemp("flwr-home-mira"))
-    run_dir = tmp_path_factory.mktemp("mira") / "run"
-    config = f"{COMMON} strategy='mira' mira.eta=0.5 run-dir='{run_dir}'"
-    try:
-        first = flwr_run(home, f"{config} num-server-rounds=1", num_clients=4, timeout=1500)
-        assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
-        resumed = flwr_run(home, f"{config} num-server-rounds=2 resume=true", num_clients=4, timeout=1500)
-        assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    finally:
-        stop_superlink(home)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return run_dir, rows
+    """The graph and the neighbour terms come back from the checkpoint."""
+    return run_and_resume(tmp_path_factory, "mira", "strategy='mira' mira.eta=0.5", clients=4)
 
 
 def test_mira_every_clients_held_out_loss_falls(mira_run):
-    run_dir, rows = mira_run
+    run_dir, rows, _ = mira_run
     change = loss_change(rows, 4)
     assert all(delta < 0 for delta in change.values()), change
     aggregate = next(r for r in rows if r["round"] == 1 and r["node"] is None)
@@ -116,7 +119,7 @@ def test_mira_every_clients_held_out_loss_falls(mira_run):
 
 
 def test_mira_resume_keeps_the_graph_without_new_fingerprints(mira_run):
-    _, rows = mira_run
+    _, rows, _ = mira_run
     by_round = {k: next(r for r in rows if r["round"] == k and r["node"] is None) for k in (1, 2)}
     assert by_round[2]["mira"] == by_round[1]["mira"]  # restored from the checkpoint, not recomputed from new data
     assert all("report_bytes" in r for r in rows if r["round"] == 1 and r["node"] is not None)

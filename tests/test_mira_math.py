@@ -59,3 +59,17 @@ def test_client_side_step_from_singleton_group_means_is_exact():
     for k in range(5):
         for name, value in apply_step(ADAPTERS[k], neighbours[k], 0.5).items():
             np.testing.assert_allclose(value, exact[k][name], rtol=1e-5, atol=1e-6)
+
+
+def test_adjacency_inside_clusters_is_zero_across_and_a_lone_client_has_no_neighbours():
+    clusters = [0, 1, 0, 1, 2]
+    norm = normalised_adjacency(FINGERPRINTS, 0.1, clusters)
+    raw = rbf_adjacency(FINGERPRINTS, 0.1)
+    same = np.equal.outer(clusters, clusters)
+    assert np.all(norm[~same] == 0)
+    for k in range(4):  # inside a cluster: the same RBF weights, renormalised over the cluster
+        inside = raw[k] * same[k]
+        np.testing.assert_allclose(norm[k], inside / inside.sum())
+    assert np.all(norm[4] == 0)  # partition 4 is alone in cluster 2: the step leaves it as it is
+    with pytest.raises(ValueError, match="4 cluster labels for 5 clients"):
+        normalised_adjacency(FINGERPRINTS, 0.1, clusters[:4])

@@ -8,6 +8,8 @@ from pydantic import Field, field_validator
 
 from common.config import Section, split_csv
 
+from ..mira.config import alpha_for, parse_alpha
+
 if TYPE_CHECKING:
     from common.config import RunConfig
 
@@ -27,8 +29,17 @@ class AtlasSection(Section):
     # the partitions. Neither: every layer keeps lora.r.
     memory_mb: list[float] = Field(default_factory=list)
     ranks: list[int] = Field(default_factory=lambda: [4, 8, 16, 32, 64], min_length=1)  # seed 003's candidates
+    # MIRA inside the clusters (seed 003, phase 4): > 0 gives every client its own adapter, stepped after training
+    # toward its same-cluster neighbours, W_k <- (1 - eta) W_k + eta sum_l a_kl W_l (a_kl: RBF of the fingerprints,
+    # ``laplacian-alpha`` as ``mira.alpha``, zero across clusters); 0: plain FedAvg inside each cluster.
+    laplacian_eta: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    laplacian_alpha: float | Literal["median"] = "median"
 
     _csv = field_validator("memory_mb", "ranks", mode="before")(split_csv)
+    _alpha = field_validator("laplacian_alpha", mode="before")(parse_alpha)
+
+    def alpha_for(self, median: float) -> float:
+        return alpha_for(self.laplacian_alpha, median)
 
     @field_validator("memory_mb")
     @classmethod

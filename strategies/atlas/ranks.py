@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.adapters.lora import ranks as lora_ranks
+
+Arrays = dict[str, np.ndarray]
+
 RANK_CHOICES = (4, 8, 16, 32, 64)  # seed 003's candidates
 # Training memory per adapter parameter: the fp32 weight, its gradient and AdamW's two moments.
 BYTES_PER_PARAMETER = 4 * 4
@@ -95,3 +99,19 @@ def slot_average(weighted_mean: np.ndarray, mask_mean: np.ndarray, axis: int) ->
     shape[axis] = m.size
     safe = np.where(m > 0, m, 1.0).reshape(shape)
     return np.where(m.reshape(shape) > 0, np.asarray(weighted_mean, dtype=np.float64) / safe, 0.0).astype(np.float32)
+
+
+def slot_mean(mean: Arrays, fallback: Arrays | None) -> Arrays:
+    """Every rank slot averaged over the members that have it (the group mean divided by the mean slot mask);
+    a slot no contributing member has keeps ``fallback``'s value (the group's start)."""
+    out: Arrays = {}
+    for path, (a_name, b_name) in lora_ranks.layers(lora_ranks.without_masks(mean)).items():
+        mask = mean[lora_ranks.MASK_PREFIX + path]
+        for name, axis in ((a_name, 0), (b_name, 1)):
+            averaged = slot_average(mean[name], mask, axis)
+            if fallback is not None:
+                shape = [1, 1]
+                shape[axis] = mask.size
+                averaged = np.where(mask.reshape(shape) > 0, averaged, fallback[name]).astype(np.float32)
+            out[name] = averaged
+    return out

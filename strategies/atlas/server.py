@@ -16,6 +16,13 @@ gets ranks from ``atlas.ranks`` per LoRA layer, greedily by its layer importance
 its budget times its cluster's complexity scale. A group's arrays travel at its members' largest rank per layer,
 each member's slots zero-padded with a slot mask, and each slot is averaged over the members that have it
 (``ranks.slot_average``): a linear rule, so SecAgg+'s sums carry it. The math lives in ``ranks.py``.
+
+MIRA inside the clusters (``atlas.laplacian-eta`` > 0, seed 003 phase 4): every client keeps its own adapter and is
+sent the neighbour term N_k = sum_l a_kl W_l over its own cluster (a_kl MIRA's row-normalised RBF adjacency with
+a_kl = 0 across clusters), and steps W_k <- (1 - eta) W_k + eta N_k itself. In plaintext every client is its own
+group and N_k is exact (the server sees every W_l, as in MIRA); under SecAgg+ each group's mean is the only
+neighbour term its members can get (N_k = the group mean, client k included): with eta = 1 that is ATLAS's FedAvg.
+With ranks, the masks are mixed with the same weights, so each slot is averaged over the neighbours that have it.
 """
 
 from __future__ import annotations
@@ -31,8 +38,11 @@ from common.logs import get_logger
 from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult
 from ..fedavg.server import family_key
 from ..fingerprint import FingerprintReport, FingerprintSection, FingerprintStrategy
+from ..mira.laplacian import median_alpha, normalised_adjacency, rbf_adjacency
+from ..mira.plots import adjacency as adjacency_plots
+from ..simgrad.relevance import mix_group_means
 from . import plots
-from .client import OWN_RANKS, WIRE_RANKS, encode_ranks
+from .client import NEIGHBOUR_TERM, OWN_RANKS, WIRE_RANKS, encode_ranks
 from .clustering import (
     LOW_PURITY,
     Clustering,
@@ -43,7 +53,7 @@ from .clustering import (
     purity,
 )
 from .config import AtlasSection
-from .ranks import Layer, adapter_mb, allocate_ranks, complexity_scale, slot_average
+from .ranks import Layer, adapter_mb, allocate_ranks, complexity_scale, slot_mean
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -60,8 +70,9 @@ class Atlas(FingerprintStrategy):
         secure: cluster means through SecAgg+ (small clusters merged first).
         seed: the run's seed (PCA and k-means).
 
-    State: ``adapter-<partition>`` (the adapter of each client's cluster: it follows the client when clusters
-    change) and ``fingerprint-<partition>`` (the clusters and ranks are recomputed from these, deterministically).
+    State: ``adapter-<partition>`` (the adapter of each client's cluster, or its neighbour term with a Laplacian
+    step: it follows the client when clusters change) and ``fingerprint-<partition>`` (the clusters, ranks and
+    adjacency are recomputed from these, deterministically).
     """
 
     name = "atlas"
@@ -82,6 +93,10 @@ class Atlas(FingerprintStrategy):
         self.scale_of: dict[int, float] = {}  # partition -> its cluster's complexity scale (of its budget)
         self._slot_fallback: dict[str, Arrays] = {}  # group -> the adapter its never-trained slots keep
         self.clustered_round: dict[str, int] = {}  # family -> the round its clusters were computed in
+        self.eta = cfg.laplacian_eta
+        self.alpha: dict[str, float] = {}
+        self.raw: dict[str, np.ndarray] = {}  # family -> a_kl before the clusters and the normalisation (heatmap)
+        self.adjacency: dict[str, np.ndarray] = {}  # family -> row-normalised a_kl inside clusters, ``members`` order
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Atlas:
@@ -153,6 +168,11 @@ class Atlas(FingerprintStrategy):
             for line in merges:
                 log.info("round %d: %s: %s (SecAgg+ needs %d)", server_round, family, line, self.cfg.min_group_size)
             self._allocate(server_round, family, clustering.labels)
+            if self.eta:
+                points = self.reduced[family].points if family in self.reduced else np.zeros((len(members), 1))
+                alpha = self.alpha[family] = self.cfg.alpha_for(median_alpha(points))
+                self.raw[family] = rbf_adjacency(points, alpha)
+                self.adjacency[family] = normalised_adjacency(points, alpha, clustering.labels.tolist())
             if cluster_purity < LOW_PURITY:
                 log.warning(
                     "round %d: low cluster-task purity %.2f (< %.1f) in %s",
@@ -235,13 +255,26 @@ class Atlas(FingerprintStrategy):
                 out.append((f"{family}-c{label}", [p for p, g in zip(members, labels.tolist()) if g == label]))
         return out
 
+    def _units(self) -> list[tuple[str, list[int]]]:
+        """(name, partitions) of what trains as one group: the groups, or with a Laplacian step in plaintext every
+        client alone (``p<partition>``), so that the server has every W_l for the exact neighbour terms."""
+        if self.eta and not self.secure:
+            return [(f"p{p}", [p]) for _, partitions in self._groups() for p in partitions]
+        return self._groups()
+
+    def _config(self, partition: int) -> dict[str, Any]:
+        config = self._rank_config(partition)
+        if self.eta and partition in self.adapter_of:
+            config[NEIGHBOUR_TERM] = True
+        return config
+
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
         node_of = {self.partition_of[nid]: nid for nid in node_ids if nid in self.partition_of}
         groups = []
-        for name, partitions in self._groups():
+        for name, partitions in self._units():
             start = {node_of[p]: self._outgoing(p) for p in partitions if p in node_of}
             if start:
-                configs = {node_of[p]: self._rank_config(p) for p in partitions if p in node_of}
+                configs = {node_of[p]: self._config(p) for p in partitions if p in node_of}
                 self._slot_fallback[name] = lora_ranks.without_masks(next(iter(start.values())))
                 groups.append(Group(name, start, member_configs=configs))
         placed = {p for _, partitions in self._groups() for p in partitions}
@@ -256,35 +289,46 @@ class Atlas(FingerprintStrategy):
         return self.adapter_of.get(partition, self.initial[self.family_of_partition[partition]])
 
     def update(self, server_round: int, results: list[GroupResult]) -> None:
-        by_name = {r.name: r for r in results}
+        by_name = {r.name: r.mean for r in results if r.mean is not None}
+        if self.eta:
+            self._neighbour_terms(by_name)
+            return
         for name, partitions in self._groups():
-            result = by_name.get(name)
-            if result is not None and result.mean is not None:
-                mean = self._slot_mean(result.mean, self._slot_fallback.get(name)) if self.ranked else result.mean
+            if name in by_name:
                 for p in partitions:
-                    self.adapter_of[p] = mean
+                    self.adapter_of[p] = self._finish(by_name[name], name)
 
-    @staticmethod
-    def _slot_mean(mean: Arrays, fallback: Arrays | None) -> Arrays:
-        """Every rank slot averaged over the members that have it (the group mean divided by the mean slot mask);
-        a slot no contributing member has keeps ``fallback``'s value (the group's start)."""
-        out: Arrays = {}
-        for path, (a_name, b_name) in lora_ranks.layers(lora_ranks.without_masks(mean)).items():
-            mask = mean[lora_ranks.MASK_PREFIX + path]
-            for name, axis in ((a_name, 0), (b_name, 1)):
-                averaged = slot_average(mean[name], mask, axis)
-                if fallback is not None:
-                    shape = [1, 1]
-                    shape[axis] = mask.size
-                    averaged = np.where(mask.reshape(shape) > 0, averaged, fallback[name]).astype(np.float32)
-                out[name] = averaged
-        return out
+    def _finish(self, mean: Arrays, unit: str) -> Arrays:
+        return slot_mean(mean, self._slot_fallback.get(unit)) if self.ranked else mean
+
+    def _neighbour_terms(self, means: dict[str, Arrays]) -> None:
+        """N_k = sum_l a_kl W_l over k's cluster, mixed from the means of the units inside k's group (one shape:
+        the group's wire ranks; exact when every client is its own unit); a client none of whose neighbours
+        trained gets its own unit's mean (no pull)."""
+        units = self._units()
+        for _, partitions in self._groups():
+            family = self.family_of_partition[partitions[0]]
+            rows = [self.members[family].index(p) for p in partitions]
+            local = {p: i for i, p in enumerate(partitions)}
+            inside = [(name, ps) for name, ps in units if ps[0] in local]
+            mixed = mix_group_means(
+                self.adjacency[family][np.ix_(rows, rows)],
+                [[local[p] for p in ps] for _, ps in inside],
+                [means.get(name) for name, _ in inside],
+            )
+            for unit, ps in inside:
+                for p in ps:
+                    term: Arrays | None = mixed[local[p]]
+                    if not set(self.initial[family]) <= set(term or {}):
+                        term = means.get(unit)
+                    if term is not None:
+                        self.adapter_of[p] = self._finish(term, unit)
 
     def eval_arrays(self, node_id: int) -> Arrays:
         return self._outgoing(self.partition_of[node_id])
 
     def eval_config(self, node_id: int) -> dict[str, Any]:
-        return self._rank_config(self.partition_of[node_id])
+        return self._config(self.partition_of[node_id])
 
     def report(self) -> dict[str, Any]:
         out = self.family_report()
@@ -308,6 +352,11 @@ class Atlas(FingerprintStrategy):
                     "clustered_round": self.clustered_round.get(family),
                 }
             )
+            if family in self.adjacency:
+                row["laplacian_eta"] = self.eta
+                row["alpha"] = self.alpha[family]
+                row["adjacency_raw"] = self.raw[family].round(6).tolist()
+                row["adjacency"] = self.adjacency[family].round(6).tolist()
             layers = self.layers(family)
             ranked = [p for p in row["partitions"] if p in self.ranks_of]
             if ranked:
@@ -323,6 +372,7 @@ class Atlas(FingerprintStrategy):
         return [
             *plots.fingerprints(server_round, families, run_dir / "clusters"),
             *plots.rank_allocation(server_round, families, run_dir / "ranks"),
+            *adjacency_plots(server_round, plots.by_cluster(families), run_dir / "adjacency"),
         ]
 
     def plot_run(self, rows: list[dict[str, Any]], run_dir: Path) -> list[Path]:
@@ -341,7 +391,10 @@ class Atlas(FingerprintStrategy):
         self.load_fingerprint_state(state)
 
     def final_adapters(self) -> list[FinalAdapter]:
-        """One adapter per group (``<family>-c<label>``): what its members were last averaged to."""
+        """One adapter per group (``<family>-c<label>``): what its members were last averaged to; none with a
+        Laplacian step (every client saves its own, ``client-adapters/partition-<id>``)."""
+        if self.eta:
+            return []
         return [
             FinalAdapter(name, self.model_of_family[name.rsplit("-c", 1)[0]], self._adapter(partitions[0]))
             for name, partitions in self._groups()

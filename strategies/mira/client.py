@@ -28,6 +28,18 @@ def same_arrays(a: Arrays, b: Arrays) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def laplacian_start(own: Arrays | None, received: Arrays | None, first: Arrays, eta: float, neighbours: bool) -> Arrays:
+    """Where a client that keeps its own adapter starts: before it has trained (``own`` None: round 1, or a fresh
+    node state after a restart), from what was sent or else ``first``; later, its own adapter stepped toward the
+    neighbour term received, (1 - eta) W_k + eta N_k, or left as it is when what arrived is not a neighbour term
+    (``neighbours`` False: the server has none for it yet)."""
+    if own is None:
+        return received if received else first
+    if not received or not neighbours:
+        return own
+    return apply_step(own, received, eta)
+
+
 class MiraClient(FingerprintClient):
     """MIRA on a client (see the module docstring)."""
 
@@ -40,12 +52,9 @@ class MiraClient(FingerprintClient):
         initial adapter, or its neighbours' mean. The initial adapter itself is never a neighbour term (the server
         sends it while it has none), so it does not pull a trained adapter back.
         """
-        own = rt.state.get(OWN_ADAPTER)
-        if own is None:
-            return received if received else rt.adapter.initial
-        if not received or same_arrays(received, rt.adapter.initial):
-            return own
-        return apply_step(own, received, self.cfg.section(MiraSection).eta)
+        neighbours = bool(received) and not same_arrays(received or {}, rt.adapter.initial)
+        eta = self.cfg.section(MiraSection).eta
+        return laplacian_start(rt.state.get(OWN_ADAPTER), received, rt.adapter.initial, eta, neighbours)
 
     def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
         """Keep the trained adapter (the step's W_k); send it for the neighbour terms."""

@@ -10,6 +10,23 @@ from pydantic import Field, field_validator
 from common.config import Section
 
 
+def parse_alpha(value: Any) -> Any:
+    """An RBF bandwidth: a number >= 0, or "median" (1 / the median pairwise squared distance)."""
+    if value == "median":
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number >= 0 or 'median', got {value!r}") from None
+    if not 0 <= number < math.inf:
+        raise ValueError(f"expected a number >= 0 or 'median', got {value!r}")
+    return number
+
+
+def alpha_for(alpha: float | str, median: float) -> float:
+    return median if alpha == "median" else float(alpha)
+
+
 class MiraSection(Section):
     """MIRA: every client keeps its own LoRA; after local training the server's graph-Laplacian step pulls it
     toward its neighbours, W_k <- W_k - eta sum_l a_kl (W_k - W_l), a_kl = exp(-alpha ||f_k - f_l||^2) row-normalised
@@ -22,18 +39,7 @@ class MiraSection(Section):
     refresh_every: int = Field(0, ge=0)  # new fingerprints (and adjacency) every N rounds; 0: once, in round 1
     min_group_size: int = Field(3, ge=3)  # secure mode: SecAgg+ groups of the adjacency graph, never smaller
 
-    @field_validator("alpha", mode="before")
-    @classmethod
-    def _alpha(cls, value: Any) -> Any:
-        if value == "median":
-            return value
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"expected a number >= 0 or 'median', got {value!r}") from None
-        if not 0 <= number < math.inf:
-            raise ValueError(f"expected a number >= 0 or 'median', got {value!r}")
-        return number
+    _alpha = field_validator("alpha", mode="before")(parse_alpha)
 
     def alpha_for(self, median: float) -> float:
-        return median if self.alpha == "median" else float(self.alpha)
+        return alpha_for(self.alpha, median)

@@ -41,20 +41,30 @@ def rbf_adjacency(fingerprints: np.ndarray, alpha: float) -> np.ndarray:
     return a
 
 
-def normalised_adjacency(fingerprints: np.ndarray, alpha: float) -> np.ndarray:
+def normalised_adjacency(fingerprints: np.ndarray, alpha: float, clusters: Sequence[int] | None = None) -> np.ndarray:
     """``rbf_adjacency`` with rows scaled to sum to 1, computed as a softmax of -alpha ||f_k - f_l||^2 over l != k
-    (the same numbers, without exp underflowing to an all-zero row when alpha * distance is large). A single
-    client has no neighbours: its row is zero and the Laplacian step leaves it as it is."""
+    (the same numbers, without exp underflowing to an all-zero row when alpha * distance is large). A client with
+    no neighbours has a zero row, and the Laplacian step leaves it as it is.
+
+    ``clusters`` (a label per client): neighbours only inside a client's own cluster (ATLAS's
+    ``atlas.laplacian-eta``), every other a_kl = 0 before the rows are normalised.
+    """
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     logits = -alpha * squared_distances(fingerprints)
     n = logits.shape[0]
-    if n < 2:
-        return np.zeros((n, n))
-    np.fill_diagonal(logits, -np.inf)
-    logits -= logits.max(axis=1, keepdims=True)
-    a = np.exp(logits)
-    return a / a.sum(axis=1, keepdims=True)
+    allowed = ~np.eye(n, dtype=bool)
+    if clusters is not None:
+        labels = np.asarray(clusters)
+        if labels.shape != (n,):
+            raise ValueError(f"{labels.shape[0]} cluster labels for {n} clients")
+        allowed &= labels[:, None] == labels[None, :]
+    logits = np.where(allowed, logits, -np.inf)
+    peak = logits.max(axis=1, keepdims=True) if n else logits
+    has = np.isfinite(peak)
+    a = np.exp(logits - np.where(has, peak, 0.0))
+    totals = a.sum(axis=1, keepdims=True)
+    return np.divide(a, totals, out=np.zeros_like(a), where=totals > 0)
 
 
 def laplacian_step(adapters: Sequence[Arrays], adjacency: np.ndarray, eta: float) -> list[Arrays]:
