@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Add a `flwr` connection for a TLS SuperLink and register SuperNode public keys with it.
 #   deploy/connect.sh [NAME] [host:port]           then: flwr run . NAME --stream
-# Environment: TESSERA_CERTS (ca.crt and node-*.pub to register; default deploy/certs).
+# Environment: TESSERA_CERTS (ca.crt and node-*.pub to register; default deploy/certs); REGISTER=0 only writes
+# the connection (e.g. before the SuperLink answers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/flwr_env.sh
@@ -12,6 +13,7 @@ CONFIG="$FLWR_HOME/config.toml"
 awk -v section="[superlink.$NAME]" '$0 == section {skip = 1; next} /^\[/ {skip = 0} !skip' "$CONFIG" > "$CONFIG.tmp"
 printf '[superlink.%s]\naddress = "%s"\nroot-certificates = "%s"\n' "$NAME" "$ADDRESS" "$CERTS/ca.crt" >> "$CONFIG.tmp"
 mv "$CONFIG.tmp" "$CONFIG"
+[ "${REGISTER:-1}" = 0 ] && exit 0
 for pub in "$CERTS"/node-*.pub; do
   flwr supernode register "$pub" "$NAME" || echo "[connect] $pub: not registered (already registered?)"
 done
