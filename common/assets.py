@@ -132,6 +132,10 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     staging = target.with_name(target.name + ".partial")
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    # safetensors writes 0600: make the public checkpoint readable by other users, e.g. the containers of the
+    # Docker demo, which mount this cache read-only and run as their own user.
+    for path in staging.iterdir():
+        path.chmod(0o644)
     staging.rename(target)  # only a complete checkpoint ever appears under its final name
     return target
 

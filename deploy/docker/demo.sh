@@ -8,6 +8,8 @@
 #     --gpu            add deploy/docker-compose.gpu.yml (CUDA SuperNodes; NVIDIA hosts only)
 #     --out DIR        where the run directory and logs go (default runs/docker/<run name>)
 #     --run-config S   more run-config, appended to the demo's (e.g. "train.local-steps=8")
+#     --down           only stop a federation left up by --keep (volumes kept: registered keys, past runs)
+#     --purge          the same, and delete its volumes (the SuperLink's database with the registered keys, runs)
 # Environment (all optional): COMPOSE_PROJECT_NAME (tessera), TESSERA_SUPERLINK_PORT (9092), TESSERA_PUBLISH
 # (127.0.0.1), TESSERA_BASE (base image; default: python:3.11-slim where it can be had, else local/debian:bookworm
 # built by deploy/docker/build-base.sh), TESSERA_DOCKER_CERTS (deploy/certs/docker), TESSERA_CONNECTION
@@ -17,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-ROUNDS=2 KEEP=0 GPU=0 OUT="" EXTRA=""
+ROUNDS=2 KEEP=0 GPU=0 OUT="" EXTRA="" DOWN=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) ROUNDS=$2; shift 2 ;;
@@ -25,7 +27,9 @@ while [ $# -gt 0 ]; do
     --gpu) GPU=1; shift ;;
     --out) OUT=$2; shift 2 ;;
     --run-config) EXTRA=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --down) DOWN=(down --remove-orphans); shift ;;
+    --purge) DOWN=(down --remove-orphans -v); shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "[demo] unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -41,11 +45,15 @@ COMPOSE_FILES=(-f deploy/docker-compose.yml)
 [ "$GPU" = 1 ] && COMPOSE_FILES+=(-f deploy/docker-compose.gpu.yml)
 if docker compose version >/dev/null 2>&1; then COMPOSE=(docker compose); else COMPOSE=(docker-compose); fi
 compose() { "${COMPOSE[@]}" "${COMPOSE_FILES[@]}" "$@"; }
+if [ -n "${DOWN[*]}" ]; then compose "${DOWN[@]}"; exit; fi
 
 docker info >/dev/null 2>&1 || { echo "[demo] no Docker engine answers (start dockerd; see README 'Docker')" >&2; exit 1; }
 command -v flwr >/dev/null || { echo "[demo] no flwr CLI: run bash scripts/setup.sh first" >&2; exit 1; }
 # The real model and data on the host, once (no-op when present); the containers mount them read-only.
 python3 -m common.assets >/dev/null
+# The containers' user (uid 49999) reads it: caches converted before common/assets.py made them 0644 hold 0600
+# weights (safetensors writes them so).
+chmod -R a+rX "$TESSERA_ASSETS/models" "$TESSERA_ASSETS/data"
 
 NAME="demo-$(date +%Y%m%d-%H%M%S)"
 OUT=${OUT:-runs/docker/$NAME}
@@ -162,4 +170,4 @@ EOF
 say "done: run ${RUN_S} s, whole demo $(( $(date +%s) - T0 )) s"
 say "metrics: $OUT/metrics.jsonl; plots: $(ls "$OUT"/*.png 2>/dev/null | tr '\n' ' ')"
 say "the run's log: $OUT/flwr-run.log; the final adapter: $OUT/adapter"
-[ "$KEEP" = 1 ] && say "left up (--keep): ${COMPOSE[*]} ${COMPOSE_FILES[*]} down   # add -v to drop keys and runs"
+if [ "$KEEP" = 1 ]; then say "left up (--keep); stop it with: bash deploy/docker/demo.sh --down"; fi
