@@ -12,4 +12,25 @@ if [ "$(id -u)" = 0 ] && ! { command -v iptables && command -v ip && command -v 
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables iproute2; } >/dev/null 2>&1 \
     || echo "[test] could not install iptables/iproute2: the network test will skip"
 fi
+# The Docker demo test (tests/test_e2e_docker.py) needs a Docker engine, docker-compose and, for the registry-free
+# base image, debootstrap (Debian's packages): as root, install what is missing and start the engine for this run
+# if none answers (there is no systemd here). Without them it skips, and -rs prints why.
+DOCKERD_PID=""
+if [ "$(id -u)" = 0 ]; then
+  if ! { command -v dockerd && command -v docker-compose && command -v debootstrap; } >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose \
+      debootstrap; } >/dev/null 2>&1 || echo "[test] could not install docker.io/docker-compose: the Docker test will skip"
+  fi
+  if command -v dockerd >/dev/null && ! docker info >/dev/null 2>&1; then
+    dockerd > /tmp/tessera-dockerd.log 2>&1 &
+    DOCKERD_PID=$!
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  fi
+fi
+stop_dockerd() {
+  local rc=$?
+  if [ -n "$DOCKERD_PID" ]; then kill "$DOCKERD_PID" 2>/dev/null; wait "$DOCKERD_PID" 2>/dev/null || true; fi
+  exit "$rc"
+}
+trap stop_dockerd EXIT
 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 "$@" tests

@@ -1,7 +1,7 @@
-"""Static checks of the Docker Compose demo in deploy/ (no Docker engine here or in CI): the files parse, images
-pin the installed flwr, every Flower flag is one the installed binaries accept (`<binary> --help`), the certs
-service calls deploy.certs correctly, GPUs go to SuperNodes only, and no weights, data or keys enter an image's
-project copy."""
+"""Static checks of the Docker Compose demo in deploy/ (no engine needed; tests/test_e2e_docker.py runs it): the files
+parse, the image needs no registry beyond its BASE, every Flower flag is one the installed binaries accept
+(`<binary> --help`), every certificate path is one deploy/certs.py writes, mounted read-only, GPUs go to SuperNodes
+only, and no build input (CA bundle, wheels), weights, data or keys reach the final image."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 GPU_OVERRIDE = DEPLOY / "docker-compose.gpu.yml"
-DOCKERFILES = sorted((DEPLOY / "docker").glob("Dockerfile*"))
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+DEMO = DEPLOY / "docker" / "demo.sh"
 FLWR_VERSION = importlib.metadata.version("flwr")
 CERTS_MOUNT = "/app/certs"
+ASSETS = "/srv/assets"  # stands in for $TESSERA_ASSETS (required by the compose file)
 HELP_ENV = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}  # --help stays offline
 
 
@@ -34,8 +36,38 @@ def load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def services(path: Path = COMPOSE) -> dict[str, dict]:
-    return load(path)["services"]
+def interpolate(value, env: dict[str, str]):
+    """Compose's variable substitution (${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}) over a parsed file."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(match: re.Match) -> str:
+        name, op, arg = match[1], match[2] or "", match[3] or ""
+        if name in env and (env[name] or op not in (":-", ":?")):
+            return env[name]
+        if op.endswith("?"):
+            raise KeyError(f"{name} must be set: {arg}")
+        return arg if op else ""
+
+    return re.sub(r"\$\{(\w+)(:?[-?])?([^}]*)\}", one, value)
+
+
+def services(path: Path = COMPOSE, **env: str) -> dict[str, dict]:
+    """The file's services with variables substituted as compose would, from ``env`` (else their defaults)."""
+    return interpolate(load(path)["services"], {"TESSERA_ASSETS": ASSETS, **env})
+
+
+def mounts(service: dict) -> dict[str, tuple[str, str]]:
+    """container path -> (source, mode) of every volume of a service."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = volume.split(":")
+        found[target] = (source, mode[0] if mode else "rw")
+    return found
 
 
 def argv(service: dict) -> list[str]:
@@ -102,10 +134,6 @@ def arg_defaults(dockerfile: Path) -> dict[str, str]:
     return dict(a.split("=", 1) for kind, a in instructions(dockerfile) if kind == "ARG" and "=" in a)
 
 
-def mounts_certs(service: dict) -> bool:
-    return any(m.startswith("certs:") and m.split(":")[1] == CERTS_MOUNT for m in service.get("volumes", []))
-
-
 def is_under(path: str, parent: str) -> bool:
     return PurePosixPath(path) == PurePosixPath(parent) or PurePosixPath(parent) in PurePosixPath(path).parents
 
@@ -115,55 +143,40 @@ def test_compose_files_parse_and_fit_together():
     assert base["services"] and gpu["services"]
     assert set(gpu["services"]) <= set(base["services"]), "the override may only extend services of the base file"
     declared = set(base.get("volumes") or {})
-    for name, svc in base["services"].items():
-        for mount in svc.get("volumes", []):
-            source = mount.split(":")[0]
-            if not source.startswith((".", "/", "$", "~")):
+    for name, svc in services().items():
+        for source, _ in mounts(svc).values():
+            if not source.startswith((".", "/")):
                 assert source in declared, f"{name}: volume {source!r} is not declared"
         if "build" in svc:
             build = svc["build"]
-            dockerfile = COMPOSE.parent / build["context"] / build.get("dockerfile", "Dockerfile")
-            assert dockerfile.exists(), f"{name}: {dockerfile} missing"
+            assert (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE, name
+    with pytest.raises(KeyError, match="TESSERA_ASSETS"):  # the asset cache must be named, never guessed
+        interpolate(load(COMPOSE)["services"], {})
 
 
-def test_flower_images_pin_the_installed_flwr_version():
-    assert DOCKERFILES, "no Dockerfiles in deploy/docker"
-    seen = set()
-    for dockerfile in DOCKERFILES:
-        stages: list[str] = []
-        for kind, args in instructions(dockerfile):
-            if kind != "FROM":
-                continue
-            words = [w for w in args.split() if not w.startswith("--")]
-            image = words[0]
-            if "$" in image or image in stages:  # a build stage of this file, e.g. base-${ROLE}
-                assert any(re.fullmatch(re.sub(r"\\\$\\\{\w+\\\}", ".+", re.escape(image)), s) for s in stages), image
-            else:
-                match = re.fullmatch(r"flwr/([\w-]+):(\d[^-]*)(-.*)?", image)
-                assert match, f"{dockerfile.name}: base {image!r} is not an official flwr image with a version tag"
-                assert match[2] == FLWR_VERSION, f"{dockerfile.name}: {image} but flwr {FLWR_VERSION} is installed"
-                seen.add(match[1])
-            if len(words) >= 3 and words[1].upper() == "AS":
-                stages.append(words[2])
-    assert {"superlink", "supernode", "superexec"} <= seen, seen
-    for name, svc in services().items():
-        image = svc.get("image", "")
-        if image.startswith("flwr/"):
-            assert image.split(":")[1].split("-")[0] == FLWR_VERSION, f"{name}: {image}"
-
-
-def test_compose_build_args_select_existing_stages():
-    """`FROM base-${ROLE}` must resolve for the ROLE each service builds with (and the default)."""
-    for name, svc in services().items():
-        if "build" not in svc:
-            continue
-        dockerfile = COMPOSE.parent / svc["build"]["context"] / svc["build"].get("dockerfile", "Dockerfile")
-        args = {**arg_defaults(dockerfile), **{k: str(v) for k, v in (svc["build"].get("args") or {}).items()}}
-        stages = [a.split()[-1] for kind, a in instructions(dockerfile) if kind == "FROM" and " AS " in a.upper()]
-        for kind, a in instructions(dockerfile):
-            if kind == "FROM" and "$" in a:
-                resolved = re.sub(r"\$\{(\w+)\}", lambda m, args=args: args[m[1]], a.split()[0])
-                assert resolved in stages, f"{name}: FROM {a} resolves to {resolved}, not a stage of {dockerfile.name}"
+def test_image_needs_no_registry_but_its_base():
+    """Every FROM is the BASE argument or a stage of the file; BASE defaults to the official Python image, and
+    deploy/docker/build-base.sh makes the registry-free one; torch is the version the project is tested with."""
+    stages: list[str] = []
+    for kind, args in instructions(DOCKERFILE):
+        if kind == "FROM":
+            words = args.split()
+            assert words[0] == "${BASE}" or words[0] in stages, f"FROM {words[0]} would need a registry"
+            assert len(words) == 3 and words[1].upper() == "AS", f"name every stage: FROM {args}"
+            stages.append(words[2])
+    defaults = arg_defaults(DOCKERFILE)
+    assert defaults["BASE"] == "python:3.11-slim"
+    assert defaults["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    pinned = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text())[1]
+    assert defaults["TORCH_VERSION"] == pinned, "the image's torch must be the version the project is tested with"
+    assert "docker import" in (DEPLOY / "docker" / "build-base.sh").read_text()
+    assert "local/debian:bookworm" in DEMO.read_text() and "build-base.sh" in DEMO.read_text()
+    assert not any(line.startswith("# syntax=") for line in DOCKERFILE.read_text().splitlines()), "pulls a frontend"
+    built = [svc for svc in services().values() if "build" in svc]
+    assert len(built) == 1 and built[0]["build"]["args"]["BASE"] == "python:3.11-slim", "one image, built once"
+    assert (
+        services(TESSERA_BASE="local/debian:bookworm")["superlink"]["build"]["args"]["BASE"] == "local/debian:bookworm"
+    )
 
 
 @pytest.mark.parametrize("service", sorted(flower_services()))
@@ -183,51 +196,43 @@ def test_supernodes_partitions_keys_and_threads():
 
     nodes = supernodes()
     assert len(nodes) == 3, sorted(nodes)
-    partitions, keys, models = [], set(), []
+    partitions = []
     for name, args in nodes.items():
         opts = dict(long_options(args[1:]))
         config = parse_config_args([opts["--node-config"]])  # raises on a malformed node-config
         assert config["num-partitions"] == 3, (name, config)
         partitions.append(config["partition-id"])
-        models.append(config.get("model"))
-        assert opts["--auth-supernode-private-key"] == f"{CERTS_MOUNT}/node-{config['partition-id']}.key", name
-        keys.add(opts["--auth-supernode-private-key"])
         assert "--insecure" not in opts and opts["--root-certificates"] == f"{CERTS_MOUNT}/ca.crt", name
-        env = services()[name]["environment"]
-        assert "OMP_NUM_THREADS" in env, f"{name}: co-located SuperNodes need OMP_NUM_THREADS"
-    assert sorted(partitions) == [0, 1, 2] and len(keys) == 3
-    assert "qwen2.5-coder-0.5b-instruct" in models, "one node should show a heterogeneous model"
+        # each node holds the CA and its own private key, nothing else of the certificates
+        certs = {t: s for t, (s, _) in mounts(services()[name]).items() if is_under(t, CERTS_MOUNT)}
+        key = certs[opts["--auth-supernode-private-key"]]
+        assert Path(key).name == f"node-{config['partition-id']}.key", (name, key)
+        assert sorted(Path(s).name for s in certs.values()) == sorted(["ca.crt", Path(key).name]), (name, certs)
+        assert "OMP_NUM_THREADS" in services()[name]["environment"], f"{name}: co-located nodes need OMP_NUM_THREADS"
+    assert sorted(partitions) == [0, 1, 2]
     superlink = dict(long_options(argv(services()["superlink"])[1:]))
     assert "--enable-supernode-auth" in superlink and "--insecure" not in superlink
     assert superlink["--database"] != ":flwr-in-memory:"
     database_dir = str(PurePosixPath(superlink["--database"]).parent)
-    assert any(
-        m.split(":")[1] == database_dir and m.split(":")[0] in load(COMPOSE)["volumes"]
-        for m in services()["superlink"]["volumes"]
-    ), "the state database must be on a named volume"
+    source, _ = mounts(services()["superlink"])[database_dir]
+    assert source in load(COMPOSE)["volumes"], "the state database (registered keys) must be on a named volume"
 
 
-def test_certs_service_runs_deploy_certs_with_flags_it_accepts():
-    args = argv(services()["certs"])
-    assert args[:3] == ["python", "-m", "deploy.certs"], args
-    options, _, _ = accepted(help_text(sys.executable, "-m", "deploy.certs"))
-    given = dict(long_options(args[3:]))
-    for option in given:
-        assert option in options, f"deploy.certs does not accept {option}"
-    assert given["--out"] == CERTS_MOUNT
-    assert mounts_certs(services()["certs"])
-    hosts = {h for h in given["--hosts"].split(",") if h and "$" not in h}
-    nodes = range(int(given["--nodes"]))
-    made = {"ca.crt", "server.pem", "server.key"} | {f"node-{i}.{ext}" for i in nodes for ext in ("key", "pub")}
-    # every certificate path the services use is one deploy.certs writes, and every TLS name they dial is in it
-    for name, args in flower_services().items():
-        for option, value in long_options(args[1:]):
+def test_certificates_are_ones_deploy_certs_writes_mounted_read_only():
+    hosts = set(re.search(r'--hosts "([^"$]*)', DEMO.read_text())[1].strip(",").split(","))
+    made = {"ca.crt", "server.pem", "server.key"} | {f"node-{i}.{ext}" for i in range(3) for ext in ("key", "pub")}
+    for name, svc in services().items():
+        for target, (source, mode) in mounts(svc).items():
+            if is_under(target, CERTS_MOUNT):
+                assert mode == "ro", f"{name}: {target} must be mounted read-only"
+                assert Path(source).name in made, f"{name}: {source} is not a file deploy.certs writes"
+                assert source.startswith("./certs/docker/"), f"{name}: {source} (default TESSERA_DOCKER_CERTS)"
+        for option, value in long_options(argv(svc)[1:]):
             if value and value.startswith(CERTS_MOUNT + "/"):
-                assert value.rsplit("/", 1)[1] in made, f"{name}: {option} {value} is not written by deploy.certs"
-                assert mounts_certs(services()[name]), f"{name} does not mount the certs volume at {CERTS_MOUNT}"
-            if option in ("--superlink", "--runtime-api-address") and "--insecure" not in args:
+                assert value in mounts(svc), f"{name}: {option} {value} is not mounted"
+            if option == "--superlink":
                 assert value.rsplit(":", 1)[0] in hosts, f"{name}: {value} is not a name in the certificate (--hosts)"
-    assert {"localhost", "127.0.0.1"} <= hosts, "the `flwr` CLI on the Docker host dials 127.0.0.1/localhost"
+    assert {"localhost", "127.0.0.1", "superlink", "fleet-gate"} <= hosts, hosts
 
 
 def test_gpu_override_reserves_nvidia_devices_for_every_supernode_only():
@@ -242,6 +247,7 @@ def test_gpu_override_reserves_nvidia_devices_for_every_supernode_only():
         for device in gpu[name]["deploy"]["resources"]["reservations"]["devices"]:
             assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], (name, device)
         assert "/whl/cu" in gpu[name]["build"]["args"]["TORCH_INDEX_URL"], f"{name}: CUDA torch wheel expected"
+        assert gpu[name]["image"] != services()[name]["image"], f"{name}: the CUDA image needs a tag of its own"
     for name, svc in services().items():
         assert "devices" not in str(svc.get("deploy", "")), f"{name}: the base file must run on CPU-only hosts"
 
@@ -257,33 +263,44 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
     return result
 
 
-def test_no_weights_data_or_keys_in_the_image_project_copy():
-    app = DEPLOY / "docker" / "Dockerfile.app"
-    steps = instructions(app)
-    env: dict[str, tuple[int, str]] = {}
-    copies, workdirs = [], []
-    for i, (kind, args) in enumerate(steps):
-        if kind == "ENV":
-            env.update({k: (i, v) for k, _, v in (w.partition("=") for w in shlex.split(args))})
-        elif kind == "COPY":
-            words = [w for w in args.split() if not w.startswith("--")]
-            copies.append((words[:-1], words[-1]))
-        elif kind == "WORKDIR":
-            workdirs.append(args.strip())
-    project = next(dest for sources, dest in copies if sources == ["."])
-    cache_step, cache = env["TESSERA_CACHE"]
-    assert not is_under(cache, project), f"asset cache {cache} is inside the project copy {project}"
-    assert not is_under(cache, workdirs[-1]), f"asset cache {cache} is inside the working directory {workdirs[-1]}"
-    runs = [(i, args) for i, (kind, args) in enumerate(steps) if kind == "RUN"]
-    assets = [i for i, args in runs if "python -m common.assets" in args]
-    torch = [i for i, args in runs if re.search(r"pip install .*torch==\$\{TORCH_VERSION\}.*--index-url", args)]
-    project_install = [i for i, args in runs if re.search(r"pip install [^&]*\s\.(\s|$)", args)]
-    assert assets and assets[0] > cache_step, "fetch assets after TESSERA_CACHE points outside the project"
-    assert torch and project_install and torch[0] < project_install[0], "torch's own wheel must come before the project"
-    defaults = arg_defaults(app)
-    assert defaults["TORCH_INDEX_URL"].endswith("/whl/cpu")
-    pinned = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text())[1]
-    assert defaults["TORCH_VERSION"] == pinned, "the image's torch must be the version the project is tested with"
+def stages(dockerfile: Path) -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> its instructions."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for kind, args in instructions(dockerfile):
+        if kind == "FROM":
+            current = found.setdefault(args.split()[-1], [])
+        current.append((kind, args))
+    return found
+
+
+def test_no_build_inputs_weights_data_or_keys_in_the_final_image():
+    """The CA bundle and wheels given to pip stay in the `deps` stage; the final stage takes the venv and the
+    project's files less those inputs; the asset cache is outside the project copy and the app directory, and is
+    mounted read-only by every service that loads the model; .dockerignore keeps weights, data, keys, runs out."""
+    by_stage = stages(DOCKERFILE)
+    final_name = list(by_stage)[-1]
+    final = by_stage[final_name]
+    inputs = "deploy/docker/build-inputs"
+    for name, steps in by_stage.items():
+        copies_inputs = any(kind == "COPY" and args.split()[0] == inputs + "/" for kind, args in steps)
+        assert copies_inputs == (name == "deps"), f"stage {name}: only `deps` may see {inputs}"
+    final_copies = [args.split() for kind, args in final if kind == "COPY"]
+    assert final_copies == [["--from=deps", "/opt/venv", "/opt/venv"], ["--from=code", "/opt/tessera", "/opt/tessera"]]
+    assert any(kind == "RUN" and f"rm -rf /opt/tessera/{inputs}" in args for kind, args in by_stage["code"])
+    deps_runs = [args for kind, args in by_stage["deps"] if kind == "RUN"]
+    torch = next(i for i, a in enumerate(deps_runs) if '"torch==${TORCH_VERSION}"' in a)
+    requirements = next(i for i, a in enumerate(deps_runs) if "-r /tmp/requirements.txt" in a)
+    assert torch < requirements, "torch's own wheel must come before the dependencies"
+    assert any(kind == "USER" and args != "root" for kind, args in final), "the final image runs as a non-root user"
+    env = {k: v for kind, args in final if kind == "ENV" for k, _, v in (w.partition("=") for w in shlex.split(args))}
+    workdir = [args for kind, args in final if kind == "WORKDIR"][-1]
+    cache = env["TESSERA_CACHE"]
+    assert not is_under(cache, "/opt/tessera") and not is_under(cache, workdir), cache
+    for name in ["superlink", *supernodes()]:
+        seen = mounts(services()[name])
+        for sub in ("models", "data"):
+            assert seen[f"{cache}/{sub}"] == (f"{ASSETS}/{sub}", "ro"), f"{name}: mount the asset cache read-only"
 
     patterns = [
         line.strip()
@@ -297,38 +314,42 @@ def test_no_weights_data_or_keys_in_the_image_project_copy():
         "common/__pycache__/assets.cpython-311.pyc",
         ".pytest_cache/v/x",
         "deploy/certs/ca.key",
-        "deploy/certs/node-0.key",
+        "deploy/certs/docker/node-0.key",
         "model.gguf",
         "bench/results/r.json",
         ".git/HEAD",
+        ".mypy_cache/3.11/x.json",
     ]:
         assert dockerignored(path, patterns), f".dockerignore lets {path} into the build context"
     for path in [
         "pyproject.toml",
         "README.md",
-        "LICENSE",
         "deploy/certs.py",
-        "deploy/__init__.py",
+        "deploy/fleet_gate.py",
         "common/assets.py",
         "client_app/app.py",
         "server_app/app.py",
+        "deploy/docker/build-inputs/README.md",
     ]:
-        assert (ROOT / path).exists() and not dockerignored(path, patterns), f"{path} is needed in the image"
+        assert (ROOT / path).exists() and not dockerignored(path, patterns), f"{path} is needed in the build context"
 
 
 def test_only_the_fleet_gate_faces_the_nodes():
     """Flower's Control API (start a run: code on every node) shares the SuperLink's port and has no user
-    authentication: the SuperLink is published on the host's loopback only and is not on the nodes' network; the
-    nodes dial the gate (deploy/fleet_gate.py), which passes the Fleet API only."""
+    authentication: the SuperLink is published on the host's loopback only (unless the operator says otherwise) and
+    is not on the nodes' network; the nodes dial the gate (deploy/fleet_gate.py), which passes the Fleet API only
+    and is published nowhere by default."""
     all_services = services()
-    assert all(p.startswith("127.0.0.1:") for p in all_services["superlink"]["ports"]), all_services["superlink"]
+    assert [p.split(":")[0] for p in all_services["superlink"]["ports"]] == ["127.0.0.1"], all_services["superlink"]
+    published = services(TESSERA_PUBLISH="10.0.0.5")["superlink"]["ports"]
+    assert published == ["10.0.0.5:9092:9092"], published
+    assert all(not svc.get("ports") for name, svc in all_services.items() if name != "superlink")
     gate = all_services["fleet-gate"]
     assert argv(gate)[:3] == ["python", "-m", "deploy.fleet_gate"]
     options, _, _ = accepted(help_text(sys.executable, "-m", "deploy.fleet_gate"))
     given = dict(long_options(argv(gate)[3:]))
     assert set(given) <= options and given["--superlink"].startswith("superlink:"), given
     gate_port = given["--listen"].rsplit(":", 1)[1]
-    assert all(p.endswith(f":{gate_port}:{gate_port}") and p.startswith("${") for p in gate["ports"]), gate["ports"]
     control = set(all_services["superlink"]["networks"])
     for name, args in supernodes().items():
         assert not control & set(all_services[name]["networks"]), f"{name} can reach the SuperLink directly"

@@ -64,7 +64,9 @@ def demo(tmp_path_factory):
         assert done.returncode == 0, f"demo.sh failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}{logs}"
         yield env, out, done.stdout
     finally:
-        subprocess.run(["bash", "deploy/docker/demo.sh", "--purge"], cwd=ROOT, env=env, capture_output=True, timeout=300)
+        subprocess.run(
+            ["bash", "deploy/docker/demo.sh", "--purge"], cwd=ROOT, env=env, capture_output=True, timeout=300
+        )
 
 
 def test_every_node_learned_through_secagg(demo):
