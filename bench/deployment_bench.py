@@ -52,6 +52,8 @@ def run_mode(mode: str, work: Path, rounds: int, clients: int, steps: int, examp
         finally:
             federation.close()
     wall = time.perf_counter() - started
+    if not (run_dir / "metrics.jsonl").exists():
+        raise RuntimeError(f"{mode}: the run wrote no metrics:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if proc.returncode != 0 or max(r["round"] for r in rows) != rounds:
         raise RuntimeError(f"{mode}: the run did not finish\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -19,7 +19,7 @@ DOCKERD_PID=""
 if [ "$(id -u)" = 0 ]; then
   if ! { command -v dockerd && command -v docker-compose && command -v debootstrap; } >/dev/null; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose \
-      debootstrap; } >/dev/null 2>&1 || echo "[test] could not install docker.io/docker-compose: the Docker test will skip"
+      debootstrap; } >/dev/null 2>&1 || echo "[test] could not install docker.io/docker-compose: the Docker test skips"
   fi
   if command -v dockerd >/dev/null && ! docker info >/dev/null 2>&1; then
     dockerd > /tmp/tessera-dockerd.log 2>&1 &
