@@ -10,6 +10,7 @@ import importlib.metadata
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from fnmatch import fnmatch
@@ -354,3 +355,26 @@ def test_only_the_fleet_gate_faces_the_nodes():
     for name, args in supernodes().items():
         assert not control & set(all_services[name]["networks"]), f"{name} can reach the SuperLink directly"
         assert dict(long_options(args[1:]))["--superlink"] == f"fleet-gate:{gate_port}", name
+
+
+def compose_cli() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return None
+
+
+@pytest.mark.skipif(compose_cli() is None, reason="no docker-compose (Debian: apt-get install docker-compose)")
+def test_docker_compose_itself_accepts_the_files_with_the_gpu_override():
+    """`docker-compose config` (no engine needed) merges the base and GPU files: what a GPU host would start."""
+    env = {**os.environ, "TESSERA_ASSETS": ASSETS, "COMPOSE_PROJECT_NAME": "tessera-config-check"}
+    cmd = [*(compose_cli() or []), "-f", str(COMPOSE), "-f", str(GPU_OVERRIDE), "config"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    merged = yaml.safe_load(done.stdout)["services"]
+    for name in supernodes():
+        devices = merged[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and merged[name]["image"] == "tessera:cuda", merged[name]
+        assert merged[name]["command"] == services()[name]["command"], f"{name}: the override must keep its flags"
+    assert "deploy" not in merged["superlink"]

@@ -9,6 +9,7 @@ certificates and Flower home of its own keep it apart from a demo the operator l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -130,3 +131,41 @@ def test_unregistered_supernode_container_is_refused(demo, tmp_path):
         assert len(json.loads(listed.stdout)["nodes"]) == 3, listed.stdout  # the three registered ones only
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
+
+
+IMAGE_SCAN = r"""
+import hashlib, os, sys
+found = []
+for top in ("/etc", "/opt", "/home", "/root", "/tmp", "/app", "/usr/local"):
+    for folder, _, names in os.walk(top):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name in ("pip.conf", "pip.ini") or name.endswith((".key", ".whl")):
+                found.append(path)
+            elif sys.argv[1] and name.endswith((".crt", ".pem")) and os.path.isfile(path):
+                with open(path, "rb") as handle:
+                    if hashlib.sha256(handle.read()).hexdigest() == sys.argv[1]:
+                        found.append(path)
+print("\n".join(found))
+"""
+
+
+def test_image_keeps_no_ca_pip_config_keys_or_wheels(demo):
+    """The build's inputs stayed in its build stage: no copy of the CA bundle pip trusted, no pip configuration,
+    no key and no wheel in the image, nothing in its history or environment that points pip anywhere."""
+    ca = ROOT / "deploy" / "docker" / "build-inputs" / "ca.crt"
+    digest = hashlib.sha256(ca.read_bytes()).hexdigest() if ca.exists() else ""
+    scan = subprocess.run(
+        ["docker", "run", "--rm", "--user", "0", IMAGE, "python", "-c", IMAGE_SCAN, digest],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert scan.returncode == 0, scan.stderr[-2000:]
+    assert scan.stdout.strip() == "", f"found in {IMAGE}:\n{scan.stdout}"
+    history = subprocess.run(
+        ["docker", "history", "--no-trunc", "--format", "{{.CreatedBy}}", IMAGE], capture_output=True, text=True
+    ).stdout
+    assert history and "build-inputs" not in history and "PIP_CERT" not in history, history
+    env = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{json .Config.Env}}", IMAGE], capture_output=True, text=True
+    ).stdout
+    assert "PIP_" not in env and "TESSERA_CACHE=/opt/tessera-cache" in env, env
