@@ -23,6 +23,9 @@ SUBNET = "10.77.0"
 BRIDGE = "tessera-br"
 LINK_NS = "ts-link"
 GATE_PORT = 9092
+# Traffic between the namespaces crosses the host's bridge; where br_netfilter is loaded (a Docker host) that
+# passes the host's FORWARD chain, whose policy Docker sets to DROP (and leaves so after it stops).
+BRIDGE_ACCEPT = ["FORWARD", "-i", BRIDGE, "-o", BRIDGE, "-j", "ACCEPT"]
 
 
 def _ip(*args: str) -> None:
@@ -67,12 +70,15 @@ class Network:
             _ip("-n", name, "addr", "add", f"{address}/24", "dev", f"{name}-n")
             _ip("-n", name, "link", "set", f"{name}-n", "up")
             _ip("-n", name, "link", "set", "lo", "up")
+        subprocess.run(["iptables", "-I", *BRIDGE_ACCEPT], check=True, capture_output=True)
 
     def close(self) -> None:
         for name in self.hosts:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
             subprocess.run(["ip", "link", "del", f"{name}-h"], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+        while subprocess.run(["iptables", "-D", *BRIDGE_ACCEPT], capture_output=True, check=False).returncode == 0:
+            pass  # every copy, leftovers of interrupted runs included
 
     @staticmethod
     def inside(name: str, cmd: list[str]) -> list[str]:
