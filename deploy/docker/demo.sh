@@ -4,7 +4,7 @@
 # copy the run directory out, print each node's held-out loss and where the metrics and plots are, and `down`.
 #   bash deploy/docker/demo.sh [--rounds N] [--keep] [--gpu] [--out DIR] [--run-config "key=value ..."]
 #     --rounds N       server rounds (default 2)
-#     --keep           leave the federation up afterwards (stop it: docker-compose -p tessera -f ... down)
+#     --keep           leave the federation up afterwards (stop it with --down)
 #     --gpu            add deploy/docker-compose.gpu.yml (CUDA SuperNodes; NVIDIA hosts only)
 #     --out DIR        where the run directory and logs go (default runs/docker/<run name>)
 #     --run-config S   more run-config, appended to the demo's (e.g. "train.local-steps=8")
@@ -94,9 +94,10 @@ PIP_CA=${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}
 if [ -f "$PIP_CA" ]; then cmp -s "$PIP_CA" "$INPUTS/ca.crt" || cp "$PIP_CA" "$INPUTS/ca.crt"; fi
 TORCH_VERSION=$(grep -oP 'ARG TORCH_VERSION=\K\S+' deploy/docker/Dockerfile)
 FIND_LINKS="${PIP_FIND_LINKS:-} $(python3 -m pip config get global.find-links 2>/dev/null || true)"
+[ "$GPU" = 1 ] && FIND_LINKS=""   # the CUDA image takes torch from PyTorch's CUDA index, never a local CPU wheel
 for dir in $FIND_LINKS; do
   wheel=$(ls "$dir"/torch-"$TORCH_VERSION"+cpu-cp311-*x86_64.whl 2>/dev/null | head -1 || true)
-  if [ "$GPU" = 0 ] && [ -n "$wheel" ]; then
+  if [ -n "$wheel" ]; then
     [ -f "$INPUTS/wheels/$(basename "$wheel")" ] || cp "$wheel" "$INPUTS/wheels/"
     export TESSERA_TORCH_INDEX_URL=""
     break
