@@ -26,10 +26,22 @@ from pathlib import Path
 from typing import Any
 
 from bench.presets import PRESETS, Preset, preset, toml_value
-from bench.report import markdown_table, per_client_table, summarise, worst_by_round
+from bench.report import markdown_table, per_client_table, summarise, verdict_tables, worst_by_round
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"  # the app's defaults
-ROW_KEYS = ("eval_loss", "exact_match", "rouge_l", "bytes_up", "bytes_down", "peak_rss_mb", "train_seconds")
+ROW_KEYS = (
+    "eval_loss",
+    "exact_match",
+    "rouge_l",
+    "bytes_up",
+    "bytes_down",
+    "peak_rss_mb",
+    "train_seconds",
+    "eval_seconds",
+    "eval_examples",
+    "eval_example_loss",  # per held-out example, what the verdicts bootstrap over
+    "eval_example_tokens",
+)
 
 
 def split_outside_quotes(text: str, sep: str = ",") -> list[str]:
@@ -173,6 +185,7 @@ def machine() -> dict[str, Any]:
 
 
 MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline")
+VERDICT_REPLICATES = 2000  # bootstrap replicates per interval (bench.report.verdict_tables' default)
 
 
 def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -233,6 +246,7 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
     baseline = report["baseline"] if report["baseline"] in labels else None
     walls = {(r["strategy"], r["seed"]): r["wall_seconds"] for r in report["runs"] if r.get("ok")}
     summaries = summarise(rows, baseline, walls)
+    verdicts, report["verdicts"] = verdict_tables(rows, report.get("references", [report["baseline"]]))
     (out / "compare.json").write_text(json.dumps(report, indent=1))
     failed = [f"{r['strategy']} seed {r['seed']}: {r['error']}" for r in report["runs"] if not r.get("ok")]
     text = [
@@ -250,6 +264,13 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
         f"how much. Baseline: `{report['baseline']}`.",
         "",
         markdown_table(summaries),
+        "",
+        "Paired differences (A − B < 0: A's loss is lower), per seed and averaged over seeds, with a bootstrap "
+        "interval that resamples each client's held-out examples (the same resample for A and B; "
+        f"{VERDICT_REPLICATES} replicates, seeded): 'better' / 'worse' when the interval excludes 0, else 'not "
+        "resolved'. The interval covers evaluation noise; training noise shows in the per-seed values.",
+        "",
+        verdicts,
         "",
         "Per client (final held-out loss):",
         "",
@@ -314,7 +335,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", default="fedavg,simgrad,local")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--preset", default="tasks-distinct", choices=sorted(PRESETS))
     parser.add_argument("--clients", type=int, help="simulated clients (default: the preset's)")
     parser.add_argument("--rounds", type=int, help="server rounds (default: the preset's)")
@@ -322,6 +343,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="runs/compare", help="the report directory")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds one run may take")
     parser.add_argument("--baseline", default="local", help="the --strategies item negative transfer is against")
+    parser.add_argument(
+        "--references",
+        default="local,fedavg",
+        help="--strategies items every other strategy gets a paired verdict against (those not run are skipped)",
+    )
     parser.add_argument(
         "--merge", action="append", default=[], help="an earlier compare.json whose runs (other seeds) join the report"
     )
@@ -346,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rounds": rounds,
         "seeds": seeds,
         "baseline": args.baseline,
+        "references": split_outside_quotes(args.references),
         "common_config": " ".join(f"{k}={toml_value(v)}" for k, v in chosen.overrides.items()) + f" {args.run_config}",
         "strategies": [{"label": label, "name": name, "overrides": extra} for label, name, extra in strategies],
         "machine": machine(),
@@ -386,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             write_report(out, report, merged)  # after every run: a long comparison can be read while it goes on
     finally:
         stop_superlink(home)
+    print(verdict_tables(report["rows"] + [r for m in merged for r in m["rows"]], report["references"])[0], flush=True)
     print(f"[compare] report: {out / 'compare.md'}", flush=True)
     return report
 

@@ -42,6 +42,22 @@ _BUDGET: dict[str, Value] = {
     "min-train-replies": 2,
 }
 
+# The few-shot budget: few TRAINING examples per client (data.max-train-examples), large held-out splits (64 test and
+# 64 validation examples per client: 200 per client, 32 % test, 47 % of the rest validation), the loss measured on all
+# 64 at round 0 and at the end and on 8 in the rounds between (the curves), generation on 8.
+_FEW_SHOT: dict[str, Value] = {
+    **_BUDGET,
+    "train.local-steps": 6,
+    "data.partitioning": "by-task",
+    "data.tasks": "asdiv,boolq,xsum,commonsenseqa",
+    "data.max-examples-per-task": 400,
+    "data.test-fraction": 0.32,
+    "data.validation-fraction": 0.47,
+    "data.max-train-examples": 24,
+    "eval.final-examples": 64,
+    "eval.generate-examples": 8,
+}
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -89,6 +105,24 @@ PRESETS: dict[str, Preset] = {
             clients=6,
             rounds=3,
             overrides={**_BUDGET, "data.tasks": "boolq,asdiv", "data.partitioning": "by-task"},
+        ),
+        Preset(
+            "few-shot-pairs",
+            "8 clients, 4 tasks x 2 clients (ASDiv, BoolQ, XSum, CommonsenseQA; clients c and c + 4 share a task), 24 "
+            "training examples each, 64 held-out: alone a client overfits its few examples; its task partner holds "
+            "as many more, so collaboration should pay, and averaging all four tasks should not.",
+            clients=8,
+            rounds=4,
+            overrides=dict(_FEW_SHOT),
+        ),
+        Preset(
+            "few-shot-mixed-models",
+            f"few-shot-pairs with two base models: clients 0-3 load {SMOLLM2_ALIAS}, clients 4-7 {QWEN_CODER_ALIAS}, "
+            "so each task's two clients have DIFFERENT models: FedAvg can only average within a model (across all "
+            "four tasks); SimGrad can share within a task across models.",
+            clients=8,
+            rounds=4,
+            overrides={**_FEW_SHOT, "model.partition-models": ",".join([SMOLLM2_ALIAS] * 4 + [QWEN_CODER_ALIAS] * 4)},
         ),
     )
 }

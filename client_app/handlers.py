@@ -155,8 +155,9 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     rt.strategy.configure(rt, config)
     arrays = read_sent_adapter(msg.content.array_records[ARRAYS], rt.strategy.wire_reference(rt, config))
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
-    metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train))
     server_round = _config_int(config, "server-round", -1)
+    examples = rt.cfg.eval.examples_at(server_round, rt.cfg.num_server_rounds)  # more where verdicts are made
+    metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train, examples))
     log.info(
         "node %s (partition %d) round %s: eval loss %.4f EM %.3f ROUGE-L %.3f",
         context.node_id,

@@ -36,6 +36,7 @@ from bitsandbytes.functional import (
     QuantState,
     _convert_weight_packed_for_cpu,
     _convert_weight_packed_for_cpu_inverse,
+    dequantize_4bit,
     has_avx512bf16,
 )
 from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
@@ -69,19 +70,24 @@ def packable(layer: bnb.nn.Linear4bit) -> bool:
 
 
 class PackedInferenceLinear4bit(bnb.nn.Linear4bit):
-    """A bitsandbytes ``Linear4bit`` whose no-grad eval forwards on the CPU use a packed copy of its weight.
+    """A bitsandbytes ``Linear4bit`` whose no-grad eval forwards on the CPU use an inference copy of its weight.
 
-    The weight and its ``quant_state`` keep the layout that training, saving and ``.to(device)`` expect; the packed
-    copy (bf16 absmax, tiles of 32 rows) lives beside them, outside the state dict, built on first use.
-    ``packed_inference = False`` (set by :func:`use_packed_inference`) keeps every forward on the normal path.
+    The weight and its ``quant_state`` keep the layout that training, saving and ``.to(device)`` expect; the copy
+    lives beside them, outside the state dict, built on first use. ``packed_inference``: the packed layout (bf16
+    absmax, tiles of 32 rows) for bitsandbytes' AVX512-BF16 kernel. ``dequantised_inference`` (CPUs without that
+    kernel): the weight dequantised once to the compute dtype, so a no-grad forward is one dense matmul instead of
+    bitsandbytes' 4-bit CPU gemm, which dequantises on every call (about 3x slower for SmolLM2-135M on 2 cores, and
+    generation calls it once per token); same weights, fp32 math, 4 bytes per weight in memory. Both off (set by
+    :func:`use_packed_inference`): every forward takes the normal path.
     """
 
     packed_inference: bool = False
+    dequantised_inference: bool = False
 
     def uses_packed(self, x: torch.Tensor) -> bool:
         """True for a forward that cannot need a gradient: eval mode, grad disabled, input and weight on the CPU."""
         return (
-            self.packed_inference
+            (self.packed_inference or self.dequantised_inference)
             and not self.training
             and not torch.is_grad_enabled()
             and x.device.type == "cpu"
@@ -100,6 +106,17 @@ class PackedInferenceLinear4bit(bnb.nn.Linear4bit):
             self.__dict__["_packed"] = cached
         return cached[1], cached[2]
 
+    def dequantised_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight dequantised to ``dtype`` (rebuilt if the weight's storage or dtype changed)."""
+        weight = cast(bnb.nn.Params4bit, self.weight)
+        source = (weight.data_ptr(), id(weight.quant_state), dtype)
+        cached = self.__dict__.get("_dequantised")
+        if cached is None or cached[0] != source:
+            dense = dequantize_4bit(weight.data, weight.quant_state).to(dtype)
+            cached = (source, dense)
+            self.__dict__["_dequantised"] = cached
+        return cached[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_packed(x):
             return super().forward(x)
@@ -107,11 +124,13 @@ class PackedInferenceLinear4bit(bnb.nn.Linear4bit):
         if not self.compute_type_is_set:
             self.set_compute_type(x)
             self.compute_type_is_set = True
-        data, state = self.packed_weight()
         inp_dtype = x.dtype
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if not self.packed_inference:  # dequantised copy: a plain dense matmul
+            return torch.nn.functional.linear(x, self.dequantised_weight(x.dtype), bias).to(inp_dtype)
+        data, state = self.packed_weight()
         # ``matmul_4bit`` sees the packing flag on the state and calls the CPU kernel (bf16 inside).
         return bnb.matmul_4bit(x, data, bias=bias, quant_state=state).to(inp_dtype)
 
@@ -121,16 +140,18 @@ def use_packed_inference(model: torch.nn.Module, enabled: bool | None = None) ->
 
     Args:
         model: any module; only its ``Linear4bit`` layers change (in place).
-        enabled: use the packed CPU kernel for no-grad eval forwards; ``None`` = where the CPU has it
-            (:func:`cpu_kernel_available`). ``False`` keeps every forward on the normal path (fp32 on the CPU).
+        enabled: give no-grad eval forwards an inference copy: the packed kernel's layout where the CPU has it
+            (:func:`cpu_kernel_available`) and the layer fits it, else the dequantised weight; ``None`` = the same.
+            ``False`` keeps every forward on the normal path (bitsandbytes' fp32 4-bit gemm on the CPU).
 
-    Returns counts: ``layers`` (4-bit layers seen) and ``packed`` (those that will infer packed).
+    Returns counts: ``layers`` (4-bit layers seen), ``packed`` (those that will infer packed) and ``dequantised``
+    (those that will infer from a dequantised copy).
     A layer bitsandbytes already converted in place is converted back first, with a warning (its inverse is
     lossy), so that even a model that evaluated before this call trains on the normal path from then on.
     """
-    if enabled is None:
-        enabled = cpu_kernel_available()
-    seen = packed = 0
+    enabled = enabled is not False
+    kernel = cpu_kernel_available()
+    seen = packed = dequantised = 0
     for name, module in model.named_modules():
         if not isinstance(module, bnb.nn.Linear4bit):
             continue
@@ -144,10 +165,13 @@ def use_packed_inference(model: torch.nn.Module, enabled: bool | None = None) ->
         if type(module) is bnb.nn.Linear4bit:
             module.__class__ = PackedInferenceLinear4bit
         if isinstance(module, PackedInferenceLinear4bit):
-            module.packed_inference = bool(enabled) and packable(module)
+            module.packed_inference = enabled and kernel and packable(module)
+            module.dequantised_inference = enabled and not module.packed_inference
             module.__dict__.pop("_packed", None)
+            module.__dict__.pop("_dequantised", None)
             packed += module.packed_inference
-    return {"layers": seen, "packed": packed}
+            dequantised += module.dequantised_inference
+    return {"layers": seen, "packed": packed, "dequantised": dequantised}
 
 
 def reference_packed_gemv(

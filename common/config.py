@@ -128,6 +128,9 @@ class DataSection(Section):
     # that settings can be tuned on it (eval-split = "validation") and reported on the test split with the SAME
     # training data (eval-split = "test")
     validation_fraction: float = Field(0.0, ge=0, lt=1)
+    # > 0: a client trains on at most this many of its training examples (few-shot), taken after the held-out and
+    # validation splits, so the held-out sets stay large; 0: all of them
+    max_train_examples: int = Field(0, ge=0)
     eval_split: Literal["test", "validation"] = "test"  # the held-out split federated evaluation reports
     max_prompt_chars: int = Field(400, ge=64)
 
@@ -169,11 +172,25 @@ class TrainSection(Section):
 
 
 class EvalSection(Section):
-    """Federated evaluation on each client's held-out split."""
+    """Federated evaluation on each client's held-out split.
+
+    The held-out LOSS (one batched forward per batch, no generation) is what resolves strategies, so it is measured
+    on many examples where the verdict is made: ``final_examples`` at round 0 and at the last round (0: the same as
+    ``max_examples``), ``max_examples`` in the rounds between (the curves). Generation (EM, ROUGE-L) costs a decode
+    per token and runs on the first ``generate_examples`` of the examples evaluated.
+    """
 
     max_examples: int = Field(8, ge=1)
+    final_examples: int = Field(0, ge=0)
+    generate_examples: int = Field(8, ge=1)
     batch_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(16, ge=1, le=1024)
+
+    def examples_at(self, server_round: int, last_round: int) -> int:
+        """How many held-out examples the loss is measured on at ``server_round`` (0 = before training)."""
+        if self.final_examples and server_round in (0, last_round):
+            return self.final_examples
+        return self.max_examples
 
 
 MODULUS_RANGE = 2**32  # SecAgg+'s arithmetic is modulo this (Flower's default); a group's sum must stay below it

@@ -153,7 +153,8 @@ def client_data(
 ) -> tuple[list[Example], list[Example]]:
     """The (train, held-out) examples of one client: held-out is its test split, or with ``data.eval-split =
     "validation"`` its validation split (carved from the training examples when ``data.validation-fraction`` > 0,
-    so the training examples are the same whichever split is evaluated)."""
+    so the training examples are the same whichever split is evaluated). ``data.max-train-examples`` then keeps
+    only that many training examples (few-shot), leaving the held-out splits as they are."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
     bank = load_task_bank(cfg, seed)
@@ -162,7 +163,10 @@ def client_data(
     if len(parts[partition_id]) < needed:
         raise ValueError(f"partition {partition_id} has {len(parts[partition_id])} examples; need at least {needed}")
     train, test = train_test_split(parts[partition_id], cfg.test_fraction, seed + partition_id)
-    if cfg.validation_fraction == 0:
-        return train, test
-    train, validation = train_test_split(train, cfg.validation_fraction, seed + partition_id + 7919)
-    return train, validation if cfg.eval_split == "validation" else test
+    held_out = test
+    if cfg.validation_fraction > 0:
+        train, validation = train_test_split(train, cfg.validation_fraction, seed + partition_id + 7919)
+        held_out = validation if cfg.eval_split == "validation" else test
+    if cfg.max_train_examples:  # few-shot: fewer training examples, the same held-out ones
+        train = train[: cfg.max_train_examples]
+    return train, held_out

@@ -1,7 +1,9 @@
 """Evaluation on a client's held-out split: answer-token loss / perplexity, exact match and ROUGE-L.
 
-Loss is computed on the same chat-formatted examples as training; exact match and ROUGE-L (rouge-score, F1)
-come from batched greedy generation with left padding.
+Loss is computed on the same chat-formatted examples as training, batched by length (one forward per batch, no
+generation), and reported per example too (mean loss per answer token and the token count), so that a comparison can
+bootstrap over held-out examples. Exact match and ROUGE-L (rouge-score, F1) come from batched greedy generation with
+left padding on a subset (``eval.generate-examples``): generation costs a decode per token, the loss does not.
 """
 
 from __future__ import annotations
@@ -32,24 +34,41 @@ def exact_match(prediction: str, reference: str) -> float:
 
 
 @torch.no_grad()
+def example_losses(model, tokenizer, examples: list[Example], batch_size: int, max_len: int) -> list[tuple[float, int]]:
+    """Per example, in the given order: (summed cross-entropy over its answer tokens, number of answer tokens).
+
+    Examples are batched in order of length, so a batch pads to similar lengths (fewer wasted positions).
+    """
+    device = next(model.parameters()).device
+    encoded = [encode(tokenizer, e, max_len) for e in examples]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
+    out: list[tuple[float, int]] = [(0.0, 0)] * len(encoded)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        batch = collate([encoded[i] for i in chunk], tokenizer.pad_token_id)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        # Logits only where an answer token is predicted (position t predicts token t + 1): the lm_head over the
+        # whole vocabulary at every prompt position would be a fifth of the forward's work for nothing.
+        keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
+        keep[:, :-1] = batch["labels"][:, 1:] != -100
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
+        ).logits.float()  # (answer tokens in the batch, vocabulary)
+        token_losses = torch.nn.functional.cross_entropy(logits, batch["labels"][:, 1:][keep[:, :-1]], reduction="none")
+        rows = keep.nonzero()[:, 0]
+        sums = torch.zeros(len(chunk), dtype=torch.float64, device=rows.device).index_add_(
+            0, rows, token_losses.double()
+        )
+        counts = keep.sum(dim=1)
+        for row, i in enumerate(chunk):
+            out[i] = (float(sums[row]), int(counts[row]))
+    return out
+
+
 def answer_loss(model, tokenizer, examples: list[Example], batch_size: int, max_len: int) -> float:
     """Mean cross-entropy per answer token over the examples."""
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for i in range(0, len(examples), batch_size):
-        batch = collate([encode(tokenizer, e, max_len) for e in examples[i : i + batch_size]], tokenizer.pad_token_id)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-        shift_logits, shift_labels = logits[:, :-1], batch["labels"][:, 1:]
-        losses = torch.nn.functional.cross_entropy(
-            shift_logits.reshape(-1, shift_logits.shape[-1]),
-            shift_labels.reshape(-1),
-            ignore_index=-100,
-            reduction="sum",
-        )
-        total += float(losses)
-        count += int((shift_labels != -100).sum())
-    return total / max(count, 1)
+    per_example = example_losses(model, tokenizer, examples, batch_size, max_len)
+    return sum(s for s, _ in per_example) / max(sum(n for _, n in per_example), 1)
 
 
 @torch.no_grad()
@@ -79,24 +98,42 @@ def generate_answers(
     return answers
 
 
-def evaluate(model, tokenizer, examples: list[Example], cfg: EvalSection, train_cfg: TrainSection) -> dict[str, float]:
+def evaluate(
+    model,
+    tokenizer,
+    examples: list[Example],
+    cfg: EvalSection,
+    train_cfg: TrainSection,
+    max_examples: int | None = None,
+) -> dict[str, float | int | list[float] | list[int]]:
+    """Loss on the first ``max_examples`` (default ``eval.max-examples``) held-out examples, generation on the first
+    ``eval.generate-examples`` of those. ``eval_example_loss`` / ``eval_example_tokens`` are the per-example mean loss
+    per answer token and token counts (``eval_loss`` is their token-weighted mean); EM and ROUGE-L are over the
+    ``eval_generated`` examples generated."""
     from rouge_score import rouge_scorer
 
     start = time.perf_counter()
-    examples = examples[: cfg.max_examples]
+    examples = examples[: max_examples or cfg.max_examples]
     model.eval()
-    loss = answer_loss(model, tokenizer, examples, cfg.batch_size, train_cfg.max_seq_len)
+    per_example = example_losses(model, tokenizer, examples, cfg.batch_size, train_cfg.max_seq_len)
+    loss = sum(s for s, _ in per_example) / max(sum(n for _, n in per_example), 1)
+    loss_seconds = time.perf_counter() - start
+    generated = examples[: cfg.generate_examples]
     predictions = generate_answers(
-        model, tokenizer, examples, cfg.batch_size, cfg.max_new_tokens, train_cfg.max_seq_len
+        model, tokenizer, generated, cfg.batch_size, cfg.max_new_tokens, train_cfg.max_seq_len
     )
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    em = [exact_match(p, e.answer) for p, e in zip(predictions, examples)]
-    rouge = [scorer.score(e.answer, p)["rougeL"].fmeasure for p, e in zip(predictions, examples)]
+    em = [exact_match(p, e.answer) for p, e in zip(predictions, generated)]
+    rouge = [scorer.score(e.answer, p)["rougeL"].fmeasure for p, e in zip(predictions, generated)]
     return {
         "eval_loss": loss,
         "perplexity": math.exp(min(loss, 50.0)),
         "exact_match": sum(em) / len(em),
         "rouge_l": sum(rouge) / len(rouge),
         "eval_examples": len(examples),
+        "eval_generated": len(generated),
+        "eval_example_loss": [s / max(n, 1) for s, n in per_example],
+        "eval_example_tokens": [n for _, n in per_example],
+        "eval_loss_seconds": loss_seconds,
         "eval_seconds": time.perf_counter() - start,
     }

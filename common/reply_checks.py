@@ -52,6 +52,26 @@ EVAL_METRICS = {
 }
 
 
+PER_EXAMPLE_METRICS = ("eval_example_loss", "eval_example_tokens")  # one value per held-out example evaluated
+
+
+def check_eval_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """An evaluation reply's metrics (``check_metrics`` with ``EVAL_METRICS``); its per-example losses and token
+    counts, when sent, must be lists of ``eval_examples`` finite values >= 0 (whole numbers for the counts), since a
+    comparison resamples them."""
+    checked = check_metrics(metrics, EVAL_METRICS)
+    n = int(checked["eval_examples"])
+    for key in PER_EXAMPLE_METRICS:
+        if key not in checked:
+            continue
+        values = checked[key]
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            raise ReplyError(f"metric '{key}': expected a list of eval_examples={n} values")
+        for value in values:
+            _check_bound(key, value, Bound(int if key.endswith("tokens") else float))
+    return checked
+
+
 @dataclass(frozen=True)
 class ReplyLimits:
     """What a round's train replies are held to (from the run config; see ``server_app.app``).

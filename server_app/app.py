@@ -301,6 +301,22 @@ def _train_rows(
     return rows
 
 
+# what an evaluation reply adds to its node's metrics row: the first six always (None when absent), the rest when sent
+# (the per-example losses and token counts, which a comparison bootstraps over)
+EVAL_ROW_KEYS = (
+    "eval_loss",
+    "perplexity",
+    "exact_match",
+    "rouge_l",
+    "eval_examples",
+    "eval_seconds",
+    "eval_generated",
+    "eval_loss_seconds",
+    "eval_example_loss",
+    "eval_example_tokens",
+)
+
+
 def _evaluate_round(
     grid,
     cfg: RunConfig,
@@ -316,7 +332,7 @@ def _evaluate_round(
     evaluated = evaluate_nodes(
         grid, server_round, arrays_by_node, {"server-round": server_round}, cfg.round_timeout, configs
     )
-    rows, totals = [], {"eval_loss": 0.0, "exact_match": 0.0, "rouge_l": 0.0, "n": 0}
+    rows, totals = [], {"eval_loss": 0.0, "exact_match": 0.0, "rouge_l": 0.0, "n": 0, "generated": 0}
     seconds = time.perf_counter() - started
     for nid in node_ids:
         metrics = evaluated.get(nid)
@@ -328,7 +344,8 @@ def _evaluate_round(
             row.update(
                 {
                     k: metrics.get(k)
-                    for k in ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")
+                    for k in EVAL_ROW_KEYS
+                    if k in metrics or k in EVAL_ROW_KEYS[:6]
                 }
             )
             row.update(
@@ -347,15 +364,21 @@ def _evaluate_round(
                 }
             )
             n = int(metrics.get("eval_examples", 0))
-            for key in ("eval_loss", "exact_match", "rouge_l"):
-                totals[key] += float(metrics[key]) * n
+            generated = int(metrics.get("eval_generated", n))  # EM and ROUGE-L come from the generated subset
+            totals["eval_loss"] += float(metrics["eval_loss"]) * n
+            for key in ("exact_match", "rouge_l"):
+                totals[key] += float(metrics[key]) * generated
             totals["n"] += n
+            totals["generated"] += generated
         else:
             row.update({"eval_loss": None, "exact_match": None, "rouge_l": None, "eval_error": metrics})
         rows.append(row)
     total = max(totals["n"], 1)
     aggregate = {"round": server_round, "node": None, "seconds": seconds, **train_rows.get(None, {})}
-    aggregate.update({k: (totals[k] / total if totals["n"] else None) for k in ("eval_loss", "exact_match", "rouge_l")})
+    aggregate["eval_loss"] = totals["eval_loss"] / total if totals["n"] else None
+    aggregate.update(
+        {k: (totals[k] / totals["generated"] if totals["generated"] else None) for k in ("exact_match", "rouge_l")}
+    )
     aggregate["bytes_up"] = sum(r.get("bytes_up", 0) for r in rows)
     aggregate["bytes_down"] = sum(r.get("bytes_down", 0) for r in rows)
     aggregate["routing_bytes_saved"] = sum(r.get("routing_bytes_saved", 0) for r in rows)

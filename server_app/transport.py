@@ -38,8 +38,8 @@ from common.records import (
     unpack,
 )
 from common.reply_checks import (
-    EVAL_METRICS,
     ReplyLimits,
+    check_eval_metrics,
     check_metrics,
     check_update,
     check_weight,
@@ -350,7 +350,7 @@ def evaluate_nodes(
     out: dict[int, dict | str] = {}
     for nid, reply in _send(grid, messages, timeout).items():
         try:
-            out[nid] = check_metrics(read_metrics(_content(reply)), EVAL_METRICS)
+            out[nid] = check_eval_metrics(read_metrics(_content(reply)))
         except Exception as err:  # a bad evaluation reply loses only this node's row
             out[nid] = str(err) if isinstance(err, ReplyError) else f"malformed reply: {err!r}"
             log.warning("round %d: evaluation by node %d failed: %s", server_round, nid, out[nid])

@@ -182,11 +182,43 @@ def test_a_layer_bitsandbytes_packed_in_place_is_converted_back(packable_llama_d
     weights = [m.weight for m in raw.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert all(w.quant_state.packing_format_for_cpu for w in weights)  # bitsandbytes' in-place conversion
     counts = use_packed_inference(raw)
-    assert counts == {"layers": len(weights), "packed": len(weights)}
+    assert counts == {"layers": len(weights), "packed": len(weights), "dequantised": 0}
     assert not any(getattr(w.quant_state, "packing_format_for_cpu", False) for w in weights)
     raw.train()
     loss = raw(input_ids=IDS, labels=IDS).loss
     assert torch.isfinite(loss)
+
+
+def test_without_the_kernel_inference_uses_a_dequantised_copy_with_the_same_logits(tiny_llama_dir):
+    """On a CPU without the packed kernel (or a layer that does not fit it), no-grad eval forwards use the weight
+    dequantised once: the same logits as bitsandbytes' own 4-bit CPU path, and training never touches the copy."""
+    if bnb_cpu.cpu_kernel_available():
+        pytest.skip("this CPU has the packed kernel: its layers infer packed, not from a dequantised copy")
+    model = _load(tiny_llama_dir).eval()
+    layers = _layers(model)
+    assert layers and all(m.dequantised_inference and not m.packed_inference for m in layers)
+    with torch.no_grad():
+        copied = model(input_ids=IDS).logits
+    assert all("_dequantised" in m.__dict__ for m in layers)  # each layer really inferred from its copy
+    with torch.no_grad():
+        plain = _load(tiny_llama_dir, packed=False).eval()(input_ids=IDS).logits
+    torch.testing.assert_close(copied, plain, rtol=1e-5, atol=1e-5)
+    model.train()
+    calls = {"n": 0}
+    original = PackedInferenceLinear4bit.dequantised_weight
+
+    def counted(self, dtype):
+        calls["n"] += 1
+        return original(self, dtype)
+
+    PackedInferenceLinear4bit.dequantised_weight = counted  # type: ignore[method-assign]
+    try:
+        assert torch.isfinite(model(input_ids=IDS, labels=IDS).loss)  # train mode: the normal, differentiable path
+        with torch.no_grad():
+            model.eval()(input_ids=IDS)
+    finally:
+        PackedInferenceLinear4bit.dequantised_weight = original  # type: ignore[method-assign]
+    assert calls["n"] == len(layers)  # only the eval forward used the copies
 
 
 def test_packable_shapes():

@@ -108,6 +108,23 @@ def test_evaluate_reports_all_metrics(tiny):
     assert 0 <= metrics["exact_match"] <= 1 and 0 <= metrics["rouge_l"] <= 1
 
 
+def test_per_example_losses_make_the_loss_and_generation_runs_on_a_subset(tiny):
+    """The held-out loss is the token-weighted mean of the per-example losses a comparison bootstraps over, the same
+    whatever the batching (length-sorted batches), and only ``generate-examples`` are generated."""
+    model, tokenizer = tiny
+    examples = [Example("toy", "Say a long thing " * (i % 5), "word " * (1 + i % 4)) for i in range(10)]
+    cfg = EvalSection(max_examples=4, final_examples=10, generate_examples=3, batch_size=3, max_new_tokens=2)
+    metrics = evaluate(model, tokenizer, examples, cfg, TrainSection(max_seq_len=64), max_examples=10)
+    losses, tokens = np.array(metrics["eval_example_loss"]), np.array(metrics["eval_example_tokens"])
+    assert metrics["eval_examples"] == len(losses) == len(tokens) == 10 and metrics["eval_generated"] == 3
+    assert metrics["eval_loss"] == pytest.approx((losses * tokens).sum() / tokens.sum(), rel=1e-6)
+    for i in (0, 7):  # each example alone gives its own loss: the order of the batches changed nothing
+        assert answer_loss(model, tokenizer, [examples[i]], 1, 64) == pytest.approx(losses[i], rel=1e-4)
+    assert answer_loss(model, tokenizer, examples, 10, 64) == pytest.approx(metrics["eval_loss"], rel=1e-4)
+    assert cfg.examples_at(0, 3) == cfg.examples_at(3, 3) == 10 and cfg.examples_at(1, 3) == 4
+    assert EvalSection(max_examples=4).examples_at(3, 3) == 4  # final-examples 0: the same everywhere
+
+
 def test_exact_match_normalisation_and_lr_schedule():
     assert exact_match("The answer: Paris.\nmore text", "answer paris") == 1.0
     assert exact_match("9 apples", "8 apples") == 0.0

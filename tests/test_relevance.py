@@ -277,3 +277,20 @@ def test_overlap_cosine_undoes_independent_subsampling():
     assert cosine_relevance(masked)[0, 1] > 0.999
     dense = rng.normal(size=(4, 30))
     np.testing.assert_allclose(cosine_relevance(dense), cosine_relevance(dense, overlap=False), atol=1e-12)
+
+
+def test_without_the_self_term_the_partner_gets_the_mix():
+    """Every client's similarity to itself is 1, the top of its row: with it in the softmax a partner gets under half
+    of the row at tau 0.3; without it the row is over the others only and the partner leads it."""
+    rng = np.random.default_rng(0)
+    task_a, task_b = rng.standard_normal(64), rng.standard_normal(64)
+    sig = np.stack([task + 0.8 * rng.standard_normal(64) for task in (task_a, task_a, task_b, task_b)])
+    with_self = relevance_weights(sig, 0.3)
+    without = relevance_weights(sig, 0.3, include_self=False)
+    partner = [1, 0, 3, 2]
+    assert all(with_self[i, i] > with_self[i, partner[i]] for i in range(4))
+    np.testing.assert_array_equal(np.diag(without), np.zeros(4))
+    np.testing.assert_allclose(without.sum(axis=1), np.ones(4))
+    assert all(without[i, partner[i]] > 0.5 > with_self[i, partner[i]] for i in range(4))
+    np.testing.assert_allclose(without[0, 1:], row_softmax(cosine_relevance(sig)[:1, 1:], 0.3)[0])
+    np.testing.assert_array_equal(relevance_weights(sig[:1], 0.3, include_self=False), np.ones((1, 1)))

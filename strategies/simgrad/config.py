@@ -20,6 +20,9 @@ class SimGradSection(Section):
     # row softmax of the cosine relevance matrix; below 0.01 the softmax is a hard max, and tiny values gave NaN
     temperature: float = Field(0.3, ge=0.01, le=100, allow_inf_nan=False)
     mixing: Literal["relevance", "uniform", "local-only"] = "relevance"  # uniform / local-only: ablations
+    # whether a client's own P/Q is in its global mix (w_ii from S_ii = 1, the largest in the row); false: the
+    # softmax runs over the other clients only, and the local path is the client's own part
+    mix_self: bool = True
     probe_model: str = Field("smollm2-135m-instruct", min_length=1)  # the small frozen model every client probes
     probe_examples: int = Field(8, ge=1)
     sketch_buckets: int = Field(8, ge=1, le=4096)  # rows of the count-sketched lm_head gradient

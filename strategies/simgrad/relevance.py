@@ -55,15 +55,25 @@ def row_softmax(scores: np.ndarray, temperature: float) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def relevance_weights(signatures: np.ndarray, temperature: float, mixing: str = "relevance") -> np.ndarray:
+def relevance_weights(
+    signatures: np.ndarray, temperature: float, mixing: str = "relevance", include_self: bool = True
+) -> np.ndarray:
     """The mixing matrix W (n x n, rows sum to 1) for n clients' signatures.
 
     ``relevance``: row_softmax(cosine_relevance(signatures), temperature); ``uniform``: every entry 1/n (FedAvg
     with equal weights); ``local-only``: the identity (no collaboration). Raises ValueError for another mixing.
+
+    ``include_self=False`` (relevance mixing, n > 1) gives w_ii = 0 and the softmax over the OTHER clients: every
+    client's similarity to itself is 1, the largest score in its row, so with it a partner never gets much of the
+    mix at any temperature; without it the temperature decides how much goes to the most relevant partner. For a
+    client with a local path of its own (a personal LoRA, or P_L/Q_L) the self term is already there.
     """
     n = np.asarray(signatures).shape[0]
     if mixing == "relevance":
-        return row_softmax(cosine_relevance(signatures), temperature)
+        scores = cosine_relevance(signatures)
+        if not include_self and n > 1:
+            np.fill_diagonal(scores, -np.inf)  # exp(-inf) = 0: no weight on oneself
+        return row_softmax(scores, temperature)
     if mixing == "uniform":
         return np.full((n, n), 1.0 / n)
     if mixing == "local-only":

@@ -152,7 +152,7 @@ class SimGrad(Strategy):
             return
         signatures = np.stack([reports[nid].signature for nid in self.nodes]).astype(np.float64)
         self.scores = cosine_relevance(signatures)
-        self.weights = relevance_weights(signatures, self.cfg.temperature, self.cfg.mixing)
+        self.weights = relevance_weights(signatures, self.cfg.temperature, self.cfg.mixing, self.cfg.mix_self)
         n = len(self.nodes)
         if self.secure:
             self.groups = group_by_relevance(self.scores, self.cfg.min_group_size)
