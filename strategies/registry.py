@@ -115,11 +115,12 @@ def _register_builtin() -> None:
     from .atlas import SPEC as ATLAS
     from .fedavg import SPEC as FEDAVG
     from .fedavg import SPEC_DUAL as FEDAVG_DUAL
+    from .fedsa_lora import SPEC as FEDSA_LORA
     from .local import SPEC as LOCAL
     from .mira import SPEC as MIRA
     from .simgrad import SPEC as SIMGRAD
 
-    for spec in (FEDAVG, FEDAVG_DUAL, SIMGRAD, LOCAL, MIRA, ATLAS):
+    for spec in (FEDAVG, FEDAVG_DUAL, FEDSA_LORA, SIMGRAD, LOCAL, MIRA, ATLAS):
         register(spec)
 
 

@@ -2,32 +2,19 @@
 
 The new global adapter is the example-weighted mean of the clients' trained adapters (McMahan et al., 2017). In a
 federation of different base models, LoRA's A and B have model-specific shapes, so FedAvg can only average
-within a model family: one group (and one global adapter) per base model. In secure mode the server learns only
-each family's mean (through SecAgg+), never one client's adapter.
+within a model family: one group (and one global adapter) per base model (``strategies.families``, shared with
+FedSA-LoRA). In secure mode the server learns only each family's mean (through SecAgg+), never one client's adapter.
 """
 
 from __future__ import annotations
 
-import re
-from collections import Counter
-from typing import TYPE_CHECKING
+from ..base import FinalAdapter
+from ..families import FamilyMean, family_key
 
-from common.logs import get_logger
-
-from ..base import MIN_SECURE_GROUP, Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
-
-if TYPE_CHECKING:
-    from common.config import RunConfig
-
-log = get_logger("tessera.server")
+__all__ = ["FedAvg", "FedAvgDual", "family_key"]  # family_key: re-exported (it lives in strategies.families)
 
 
-def family_key(model: str) -> str:
-    """A checkpoint-safe name for a base model's family ("global" state per family)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
-
-
-class FedAvg(Strategy):
+class FedAvg(FamilyMean):
     """Federated averaging of the full LoRA adapter, one group per base model.
 
     State: ``global`` (one family) or ``global-<model>`` (several) — the current global adapter of each family.
@@ -35,77 +22,6 @@ class FedAvg(Strategy):
     """
 
     name = "fedavg"
-
-    def __init__(self, secure: bool = False) -> None:
-        self.secure = secure  # families become SecAgg+ groups: each needs at least MIN_SECURE_GROUP members
-        self.family_of: dict[int, str] = {}  # node id -> family
-        self.model_of_family: dict[str, str] = {}  # family -> the base model's name as the clients gave it
-        self.global_arrays: dict[str, Arrays] = {}  # family -> adapter
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> FedAvg:
-        return cls(secure=cfg.secure)
-
-    def initialise(self, clients: dict[int, ClientInfo]) -> None:
-        if self.secure:  # before round 1, not as a group skipped every round
-            sizes = Counter(self.family_of.values()) + Counter(family_key(i.model) for i in clients.values())
-            small = {family: n for family, n in sorted(sizes.items()) if n < MIN_SECURE_GROUP}
-            if small:
-                raise ValueError(
-                    f"secure=true: model families {small} have fewer than {MIN_SECURE_GROUP} clients; SecAgg+ "
-                    f"would leak their updates (FedAvg averages per base model: see model.partition-models)"
-                )
-        for nid, info in sorted(clients.items()):
-            family = family_key(info.model)
-            self.family_of[nid] = family
-            self.model_of_family.setdefault(family, info.model)
-            self.global_arrays.setdefault(family, {k: v.copy() for k, v in info.initial.items()})
-        if len(self.global_arrays) > 1:
-            log.info(
-                "fedavg: %d model families, averaged separately: %s",
-                len(self.global_arrays),
-                sorted(self.global_arrays),
-            )
-
-    def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
-        groups: dict[str, Group] = {}
-        for nid in node_ids:
-            family = self.family_of.get(nid)
-            if family is None:
-                log.warning(
-                    "round %d: node %d joined after round 0; it is not trained until the run restarts",
-                    server_round,
-                    nid,
-                )
-                continue
-            groups.setdefault(family, Group(family, {})).start[nid] = self.global_arrays[family]
-        return list(groups.values())
-
-    def update(self, server_round: int, results: list[GroupResult]) -> None:
-        for result in results:
-            if result.mean is not None:
-                self.global_arrays[result.name] = result.mean
-
-    def eval_arrays(self, node_id: int) -> Arrays:
-        return self.global_arrays[self.family_of[node_id]]
-
-    def state_dict(self) -> dict[str, Arrays]:
-        if len(self.global_arrays) == 1:
-            (arrays,) = self.global_arrays.values()
-            return {"global": arrays}
-        return {f"global-{family}": arrays for family, arrays in self.global_arrays.items()}
-
-    def load_state_dict(self, state: dict[str, Arrays]) -> None:
-        if "global" in state and len(self.global_arrays) <= 1:
-            family = next(iter(self.global_arrays), "global")
-            self.global_arrays = {family: state["global"]}
-            return
-        for family in self.global_arrays:
-            if f"global-{family}" not in state:
-                raise ValueError(
-                    f"resume: the checkpoint has no adapter for model family '{family}' (has {sorted(state)})"
-                )
-            self.global_arrays[family] = state[f"global-{family}"]
 
     def final_adapters(self) -> list[FinalAdapter]:
         single = len(self.global_arrays) == 1
