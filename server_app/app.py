@@ -341,13 +341,7 @@ def _evaluate_round(
         row["bytes_up"] = row.get("bytes_up", 0) + row.get("report_bytes", 0)
         row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
         if isinstance(metrics, dict):
-            row.update(
-                {
-                    k: metrics.get(k)
-                    for k in EVAL_ROW_KEYS
-                    if k in metrics or k in EVAL_ROW_KEYS[:6]
-                }
-            )
+            row.update({k: metrics.get(k) for k in EVAL_ROW_KEYS if k in metrics or k in EVAL_ROW_KEYS[:6]})
             row.update(
                 {
                     k.replace("-", "_"): metrics.get(k)

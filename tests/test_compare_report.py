@@ -7,6 +7,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 
 from bench.compare import (
@@ -29,6 +30,7 @@ from bench.report import (
     negative_transfer,
     over_seeds,
     summarise,
+    verdict_tables,
     worst,
     worst_by_round,
 )
@@ -236,3 +238,71 @@ def test_a_clustering_strategys_purity_and_silhouette_get_columns_only_when_pres
     header, _, fedavg_line, atlas_line = table.splitlines()
     assert header.endswith("| purity | silhouette |")
     assert fedavg_line.endswith("| – | – |") and atlas_line.endswith("| 0.50 ± 0.00 | 0.20 ± 0.00 |")
+
+
+def _example_rows(strategy: str, seed: int, shift: list[float], tasks=("boolq", "xsum")) -> list[dict]:
+    """Final-round rows of one run whose per-example held-out losses are a fixed draw plus a per-client shift."""
+    rows = []
+    for c, offset in enumerate(shift):
+        draw = np.random.default_rng(100 * seed + c)
+        losses = (1.0 + c + 0.5 * draw.standard_normal(64)).clip(0.01) + offset
+        tokens = draw.integers(1, 6, 64)
+        for rnd, values in ((0, losses + 1.0), (2, losses)):
+            rows.append(
+                {
+                    "strategy": strategy,
+                    "seed": seed,
+                    "client": c,
+                    "round": rnd,
+                    "tasks": [tasks[c % len(tasks)]],
+                    "model": "HuggingFaceTB/smollm2",
+                    "eval_loss": float((values * tokens).sum() / tokens.sum()),
+                    "eval_example_loss": values.tolist(),
+                    "eval_example_tokens": tokens.tolist(),
+                    "exact_match": 0.5,
+                    "rouge_l": 0.2,
+                    "bytes_up": 0,
+                    "bytes_down": 0,
+                    "seconds": 1.0,
+                }
+            )
+    return rows
+
+
+def test_verdicts_pair_each_strategy_with_the_references_and_name_who_is_hurt(tmp_path):
+    rows = []
+    for seed in (0, 1, 2):
+        rows += _example_rows("local", seed, [0.0, 0.0, 0.0, 0.0])
+        rows += _example_rows("fedavg", seed, [0.0, 0.0, 0.0, 0.0])  # the same as local-only, example for example
+        rows += _example_rows("better", seed, [-0.3, -0.3, -0.3, 0.4])  # helps three clients, hurts client 3
+    text, records = verdict_tables(rows, ["local", "fedavg"], replicates=500)
+    verdict = {(r["a"], r["b"], r["statistic"]): r for r in records}
+    assert verdict[("fedavg", "local", "worst client")]["verdict"] == "not resolved"
+    assert verdict[("fedavg", "local", "worst client")]["estimate"] == 0.0
+    assert verdict[("better", "local", "mean client")]["verdict"] == "better"
+    assert verdict[("better", "local", "worst client")]["verdict"] == "worse"  # client 3 is the worst and hurt
+    assert verdict[("better", "local", "mean client")]["per_seed"] == pytest.approx([-0.125] * 3, abs=0.02)
+    per_client = verdict[("better", "local", "per client")]["clients"]
+    assert [per_client[str(c)]["verdict"] for c in range(4)] == ["better", "better", "better", "worse"]
+    assert ("local", "fedavg", "worst client") in verdict and ("local", "local", "worst client") not in verdict
+    assert "| better − local | 3 | 1 | 0 | 3 (xsum, smollm2): +0.400" in text
+    report = {
+        **_report([0, 1, 2], "A"),
+        "references": ["local", "fedavg"],
+        "strategies": [{"label": s} for s in ("local", "fedavg", "better")],
+        "runs": [],
+        "rows": rows,
+    }
+    write_report(tmp_path, report)
+    md = (tmp_path / "compare.md").read_text()
+    assert "| better − fedavg | mean client |" in md and "client 1 (xsum, smollm2)" in md
+    stored = json.loads((tmp_path / "compare.json").read_text())["verdicts"]
+    assert [(r["a"], r["b"], r["statistic"], r.get("verdict")) for r in stored] == [
+        (r["a"], r["b"], r["statistic"], r.get("verdict")) for r in records
+    ]
+
+
+def test_runs_without_per_example_losses_get_no_verdict():
+    rows = rows_of("local", 0, {0: [2.0, 2.0], 2: [1.0, 1.5]}) + rows_of("fedavg", 0, {0: [2.0, 2.0], 2: [1.0, 1.2]})
+    text, records = verdict_tables(rows, ["local"])
+    assert records == [] and text.startswith("No paired verdicts")

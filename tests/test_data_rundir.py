@@ -50,6 +50,20 @@ def test_train_test_split_is_disjoint_and_client_data_validates():
         client_data(DataSection(), 5, 3, 0)
 
 
+def test_few_shot_keeps_few_training_examples_and_the_same_large_held_out_splits():
+    """data.max-train-examples cuts training examples only: the test and validation splits are those of the run
+    without it, so a few-shot preset is judged on as many held-out examples as any other."""
+    full = DataSection(tasks=["boolq"], max_examples_per_task=200, test_fraction=0.32, validation_fraction=0.47)
+    few = full.model_copy(update={"max_train_examples": 24})
+    train, test = client_data(full, 1, 2, seed=3)
+    few_train, few_test = client_data(few, 1, 2, seed=3)
+    assert len(test) == 32 and few_test == test
+    assert len(few_train) == 24 and few_train == train[:24]
+    validation = client_data(few.model_copy(update={"eval_split": "validation"}), 1, 2, seed=3)[1]
+    assert validation == client_data(full.model_copy(update={"eval_split": "validation"}), 1, 2, seed=3)[1]
+    assert not {e.prompt for e in validation} & {e.prompt for e in few_train + test}
+
+
 def test_jsonl_source_and_missing_task(tmp_path):
     path = tmp_path / "bank.jsonl"
     path.write_text(

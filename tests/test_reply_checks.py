@@ -11,6 +11,7 @@ from common.records import ReplyError
 from common.reply_checks import (
     EVAL_METRICS,
     TRAIN_METRICS,
+    check_eval_metrics,
     check_metrics,
     check_update,
     check_weight,
@@ -64,6 +65,24 @@ def test_a_missing_train_metric_is_refused(missing):
 def test_eval_scores_are_fractions():
     with pytest.raises(ReplyError, match="exact_match"):
         check_metrics({**GOOD_EVAL, "exact_match": 1.5}, EVAL_METRICS)
+
+
+@pytest.mark.parametrize(
+    ("losses", "tokens", "says"),
+    [
+        ([1.0] * 7, [3] * 7, "eval_examples=8"),  # one short: it could not be paired with another run's examples
+        ([1.0] * 8, [3] * 7 + [2.5], "whole"),
+        ([1.0] * 7 + [-0.1], [3] * 8, "outside"),
+        ([1.0] * 7 + [math.nan], [3] * 8, "finite"),
+        (1.0, [3] * 8, "list"),
+    ],
+)
+def test_per_example_losses_must_be_one_finite_value_per_example(losses, tokens, says):
+    good = {**GOOD_EVAL, "eval_example_loss": [1.0] * 8, "eval_example_tokens": [3] * 8}
+    assert check_eval_metrics(good) == good
+    assert check_eval_metrics(GOOD_EVAL) == GOOD_EVAL  # optional: older clients send none
+    with pytest.raises(ReplyError, match=says):
+        check_eval_metrics({**good, "eval_example_loss": losses, "eval_example_tokens": tokens})
 
 
 @pytest.mark.parametrize(

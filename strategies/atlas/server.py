@@ -36,7 +36,7 @@ from common.adapters.lora import ranks as lora_ranks
 from common.logs import get_logger
 
 from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult
-from ..fedavg.server import family_key
+from ..families import family_key
 from ..fingerprint import FingerprintReport, FingerprintSection, FingerprintStrategy
 from ..mira.laplacian import median_alpha, normalised_adjacency, rbf_adjacency
 from ..mira.plots import adjacency as adjacency_plots

@@ -16,7 +16,7 @@ from common.logs import get_logger
 from common.records import metric_list
 
 from ..base import MIN_SECURE_GROUP, Arrays, ClientInfo, Strategy
-from ..fedavg.server import family_key
+from ..families import family_key
 from ..sketches import report_vector
 from .pca import LOW_EXPLAINED_VARIANCE, Reduced, reduce_fingerprints
 
