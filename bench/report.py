@@ -89,6 +89,7 @@ class StrategySummary:
     wall_seconds: Spread
     peak_rss_mb: Spread  # the largest client process's peak resident memory in the run
     train_seconds: Spread  # a client's local training per round, averaged over clients and rounds
+    eval_seconds: Spread = NO_VALUE  # a client's evaluation per round, averaged over clients and rounds (0 included)
     purity: Spread = NO_VALUE  # a clustering strategy's final cluster-task purity
     silhouette: Spread = NO_VALUE  # ... and its clusters' silhouette
 
@@ -117,6 +118,7 @@ def summarise(
             "down",
             "rss",
             "train",
+            "eval",
             "purity",
             "silhouette",
         )
@@ -137,6 +139,9 @@ def summarise(
                 train = [r["train_seconds"] for r in trained if r.get("train_seconds") is not None]
                 if train:
                     per["train"].append(sum(train) / len(train))
+            evals = [r["eval_seconds"] for r in run if r.get("eval_seconds") is not None]
+            if evals:  # every round, round 0 and the last (with eval.final-examples, the costly ones) included
+                per["eval"].append(sum(evals) / len(evals))
             for key in ("purity", "silhouette"):  # one value per run, on every row
                 per[key].append(next((r[key] for r in run if r.get(key) is not None), math.nan))
             rss = [r["peak_rss_mb"] for r in run if r.get("peak_rss_mb") is not None]
@@ -167,6 +172,7 @@ def summarise(
                 over_seeds(walls),
                 over_seeds(per["rss"]),
                 over_seeds(per["train"]),
+                over_seeds(per["eval"]),
                 over_seeds(per["purity"]),
                 over_seeds(per["silhouette"]),
             )
@@ -187,6 +193,7 @@ COLUMNS = (
     ("KB down", "bytes_down_per_round", "{:.0f}", True),
     ("wall s", "wall_seconds", "{:.0f}", True),
     ("train s/client/round", "train_seconds", "{:.1f}", True),
+    ("eval s/client/round", "eval_seconds", "{:.1f}", True),
     ("peak RSS MB", "peak_rss_mb", "{:.0f}", True),
     ("purity", "purity", "{:.2f}", False),
     ("silhouette", "silhouette", "{:.2f}", False),

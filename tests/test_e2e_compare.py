@@ -31,7 +31,7 @@ def test_one_command_compares_two_strategies_on_the_same_clients(tmp_path):
         "--rounds",
         "1",
         "--run-config",
-        "train.local-steps=3 eval.max-examples=3 eval.max-new-tokens=4",
+        "train.local-steps=3 eval.max-examples=3 eval.final-examples=5 eval.generate-examples=2 eval.max-new-tokens=4",
         "--out",
         str(out),
     ]
@@ -47,6 +47,16 @@ def test_one_command_compares_two_strategies_on_the_same_clients(tmp_path):
     for client in range(3):  # both trained every client; only FedAvg moved adapter bytes
         assert final[("local", client)]["eval_loss"] < first[("local", client)]
         assert final[("local", client)]["bytes_up"] == 0 < final[("fedavg", client)]["bytes_up"]
+    for row in final.values():  # the loss on eval.final-examples at the last round, each example's recorded
+        assert row["eval_examples"] == len(row["eval_example_loss"]) == len(row["eval_example_tokens"]) == 5
+    verdicts = {(v["a"], v["b"], v["statistic"]): v for v in report["verdicts"]}
+    worst = verdicts[("fedavg", "local", "worst client")]  # paired on the same held-out examples of the same clients
+    assert worst["low"] <= worst["estimate"] <= worst["high"] and worst["verdict"] in (
+        "better",
+        "worse",
+        "not resolved",
+    )
+    assert "Paired differences" in (out / "compare.md").read_text() and "fedavg − local" in proc.stdout
     text = (out / "compare.md").read_text()
     assert "| fedavg | 1 |" in text and "| local | 1 |" in text and "client 2" in text
     assert (out / "compare.png").stat().st_size > 10_000
