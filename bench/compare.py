@@ -7,7 +7,8 @@ Every flag is optional (the preset's values by default). ``--strategies`` items 
 commas inside quotes are kept); ``--run-config`` adds overrides for every run. Writes to ``--out``:
 ``compare.json`` (per strategy, seed, client and round: held-out loss, EM, ROUGE-L, bytes up/down, seconds),
 ``compare.md`` (mean ± spread over seeds per strategy, negative transfer against ``local``, the best per column in
-bold) and ``compare.png``. A run whose directory already holds a complete run with the same settings is reused.
+bold; then every strategy's paired worst- and mean-client differences against ``--references`` with bootstrap
+intervals over held-out examples and a verdict, ``bench.stats``) and ``compare.png``; the verdicts are printed too. A run whose directory already holds a complete run with the same settings is reused.
 ``--merge`` adds the runs of an earlier ``compare.json`` (same preset, budget, run config and strategies; other seeds,
 e.g. from another machine) to the report, which names the machine every seed ran on.
 """
