@@ -8,7 +8,8 @@ commas inside quotes are kept); ``--run-config`` adds overrides for every run. W
 ``compare.json`` (per strategy, seed, client and round: held-out loss, EM, ROUGE-L, bytes up/down, seconds),
 ``compare.md`` (mean ± spread over seeds per strategy, negative transfer against ``local``, the best per column in
 bold; then every strategy's paired worst- and mean-client differences against ``--references`` with bootstrap
-intervals over held-out examples and a verdict, ``bench.stats``) and ``compare.png``; the verdicts are printed too. A run whose directory already holds a complete run with the same settings is reused.
+intervals over held-out examples and a verdict, ``bench.stats``) and ``compare.png``; the verdicts are printed
+too. A run whose directory already holds a complete run with the same settings is reused.
 ``--merge`` adds the runs of an earlier ``compare.json`` (same preset, budget, run config and strategies; other seeds,
 e.g. from another machine) to the report, which names the machine every seed ran on.
 """
