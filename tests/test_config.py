@@ -54,7 +54,7 @@ def test_csv_lists_and_nesting():
 def test_simgrad_trains_pqlora_and_models_cycle_over_partitions():
     models = {"model.partition-models": "org/a, org/b", "pqlora.learning-rate": 0.02}
     cfg = RunConfig.from_flat({"strategy": "simgrad", **models})
-    assert cfg.adapter == "pqlora" and RunConfig().adapter == "lora"
+    assert cfg.adapter == "pqlora-dual" and RunConfig().adapter == "lora"  # SimGrad's default local path: a LoRA
     assert [cfg.model_for_partition(i) for i in range(4)] == ["org/a", "org/b", "org/a", "org/b"]
     assert RunConfig().model_for_partition(3) == RunConfig().model.name
     assert cfg.train_settings().learning_rate == 0.02 and RunConfig().train_settings().learning_rate == 1e-3

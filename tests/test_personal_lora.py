@@ -113,8 +113,8 @@ def test_pq_dual_starts_the_pq_path_from_what_the_server_sent(tiny_llama_dir):
 
 
 def test_the_config_picks_the_kind_and_names_bad_keys():
-    assert RunConfig.from_flat({"strategy": "simgrad"}).adapter == "pqlora"
-    assert RunConfig.from_flat({"strategy": "simgrad", "simgrad.local-path": "lora"}).adapter == "pqlora-dual"
+    assert RunConfig.from_flat({"strategy": "simgrad"}).adapter == "pqlora-dual"  # the default local path
+    assert RunConfig.from_flat({"strategy": "simgrad", "simgrad.local-path": "pq"}).adapter == "pqlora"
     assert RunConfig.from_flat({"strategy": "fedavg-dual"}).adapter == "lora-dual"
     with pytest.raises(ConfigError, match="simgrad.local-path"):
         RunConfig.from_flat({"strategy": "simgrad", "simgrad.local-path": "prefix"})

@@ -43,21 +43,25 @@ def first_round(n: int, secure: bool, **cfg) -> tuple[SimGrad, dict[int, ClientR
     return strategy, reps, strategy.train_groups(1, sorted(reps))
 
 
-def reference_weights(reps: dict[int, ClientReport], tau: float) -> np.ndarray:
+def reference_weights(reps: dict[int, ClientReport], tau: float, mix_self: bool = True) -> np.ndarray:
     sig = np.stack([reps[n].signature for n in sorted(reps)])
     unit = sig / np.linalg.norm(sig, axis=1, keepdims=True)
     s = unit @ unit.T / tau
     e = np.exp(s - s.max(axis=1, keepdims=True))
+    if not mix_self:  # the shipped default: the row is over the other clients
+        np.fill_diagonal(e, 0.0)
     return e / e.sum(axis=1, keepdims=True)
 
 
-def test_plain_mode_gives_every_client_its_exact_relevance_weighted_mix():
-    strategy, reps, groups = first_round(4, secure=False, temperature=0.5, route_budget=0)
+@pytest.mark.parametrize("mix_self", [False, True])
+def test_plain_mode_gives_every_client_its_exact_relevance_weighted_mix(mix_self):
+    strategy, reps, groups = first_round(4, secure=False, temperature=0.5, route_budget=0, mix_self=mix_self)
     assert [g.members for g in groups] == [[100], [101], [102], [103]]  # plain: every client is its own group
     assert all(g.send_back == sorted(NAMES) for g in groups)
     updates = [local_update(i) for i in range(4)]
     strategy.update(1, [GroupResult(g.name, updates[i], 8.0, g.members) for i, g in enumerate(groups)])
-    w = reference_weights(reps, 0.5)
+    w = reference_weights(reps, 0.5, mix_self)
+    assert (np.diag(w) > 0).all() == mix_self
     for i in range(4):
         for name in NAMES:
             expected = sum(w[i, j] * updates[j][name] for j in range(4))
@@ -84,13 +88,14 @@ def test_routing_sends_only_salient_blocks_and_keeps_the_others():
     np.testing.assert_allclose(mixed["block0.q_proj.P"], ups[1]["block0.q_proj.P"], rtol=1e-6)
 
 
-def test_secure_mode_groups_of_three_and_mixes_group_means():
-    strategy, reps, groups = first_round(6, secure=True, temperature=0.5, route_budget=0)
+@pytest.mark.parametrize("mix_self", [False, True])
+def test_secure_mode_groups_of_three_and_mixes_group_means(mix_self):
+    strategy, reps, groups = first_round(6, secure=True, temperature=0.5, route_budget=0, mix_self=mix_self)
     assert [g.members for g in groups] == [[100, 102, 104], [101, 103, 105]]  # the two planted families
     updates = {100 + i: local_update(i) for i in range(6)}
     means = [{k: np.mean([updates[m][k] for m in g.members], axis=0) for k in NAMES} for g in groups]
     strategy.update(1, [GroupResult(g.name, means[i], 24.0, g.members) for i, g in enumerate(groups)])
-    w = reference_weights(reps, 0.5)
+    w = reference_weights(reps, 0.5, mix_self)
     members = [[m - 100 for m in g.members] for g in groups]
     for i in range(6):
         wg = np.array([w[i, idx].sum() for idx in members])
