@@ -65,10 +65,14 @@ def example_losses(model, tokenizer, examples: list[Example], batch_size: int, m
     return out
 
 
+def token_mean(per_example: list[tuple[float, int]]) -> float:
+    """Mean cross-entropy per answer token over (summed loss, token count) pairs."""
+    return sum(s for s, _ in per_example) / max(sum(n for _, n in per_example), 1)
+
+
 def answer_loss(model, tokenizer, examples: list[Example], batch_size: int, max_len: int) -> float:
     """Mean cross-entropy per answer token over the examples."""
-    per_example = example_losses(model, tokenizer, examples, batch_size, max_len)
-    return sum(s for s, _ in per_example) / max(sum(n for _, n in per_example), 1)
+    return token_mean(example_losses(model, tokenizer, examples, batch_size, max_len))
 
 
 @torch.no_grad()
@@ -116,7 +120,7 @@ def evaluate(
     examples = examples[: max_examples or cfg.max_examples]
     model.eval()
     per_example = example_losses(model, tokenizer, examples, cfg.batch_size, train_cfg.max_seq_len)
-    loss = sum(s for s, _ in per_example) / max(sum(n for _, n in per_example), 1)
+    loss = token_mean(per_example)
     loss_seconds = time.perf_counter() - start
     generated = examples[: cfg.generate_examples]
     predictions = generate_answers(

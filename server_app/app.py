@@ -301,20 +301,10 @@ def _train_rows(
     return rows
 
 
-# what an evaluation reply adds to its node's metrics row: the first six always (None when absent), the rest when sent
-# (the per-example losses and token counts, which a comparison bootstraps over)
-EVAL_ROW_KEYS = (
-    "eval_loss",
-    "perplexity",
-    "exact_match",
-    "rouge_l",
-    "eval_examples",
-    "eval_seconds",
-    "eval_generated",
-    "eval_loss_seconds",
-    "eval_example_loss",
-    "eval_example_tokens",
-)
+# what an evaluation reply adds to its node's metrics row: these always (None when absent) ...
+EVAL_ROW_KEYS = ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")
+# ... and these when sent (the per-example losses and token counts are what a comparison bootstraps over)
+EVAL_ROW_EXTRAS = ("eval_generated", "eval_loss_seconds", "eval_example_loss", "eval_example_tokens")
 
 
 def _evaluate_round(
@@ -341,7 +331,8 @@ def _evaluate_round(
         row["bytes_up"] = row.get("bytes_up", 0) + row.get("report_bytes", 0)
         row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
         if isinstance(metrics, dict):
-            row.update({k: metrics.get(k) for k in EVAL_ROW_KEYS if k in metrics or k in EVAL_ROW_KEYS[:6]})
+            row.update({k: metrics.get(k) for k in EVAL_ROW_KEYS})
+            row.update({k: metrics[k] for k in EVAL_ROW_EXTRAS if k in metrics})
             row.update(
                 {
                     k.replace("-", "_"): metrics.get(k)
