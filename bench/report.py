@@ -312,8 +312,12 @@ def verdict_tables(
     harm = ["| A − B | clients better | clients worse | not resolved | worse (client: difference [interval]) |"]
     harm.append("|---|---|---|---|---|")
     records: list[dict] = []
+    done: set[frozenset[str]] = set()  # a pair once: local − fedavg is fedavg − local with the sign flipped
     for reference in [r for r in references if r in strategies]:
         for strategy in [s for s in strategies if s != reference]:
+            if frozenset((strategy, reference)) in done:
+                continue
+            done.add(frozenset((strategy, reference)))
             if not data[strategy] or not data[reference] or not set(data[strategy]) & set(data[reference]):
                 continue
             pair = f"{strategy} − {reference}"

@@ -284,7 +284,8 @@ def test_verdicts_pair_each_strategy_with_the_references_and_name_who_is_hurt(tm
     assert verdict[("better", "local", "mean client")]["per_seed"] == pytest.approx([-0.125] * 3, abs=0.02)
     per_client = verdict[("better", "local", "per client")]["clients"]
     assert [per_client[str(c)]["verdict"] for c in range(4)] == ["better", "better", "better", "worse"]
-    assert ("local", "fedavg", "worst client") in verdict and ("local", "local", "worst client") not in verdict
+    assert ("fedavg", "local", "worst client") in verdict and ("local", "fedavg", "worst client") not in verdict
+    assert ("local", "local", "worst client") not in verdict  # each pair once, never a strategy with itself
     assert "| better − local | 3 | 1 | 0 | 3 (xsum, smollm2): +0.400" in text
     report = {
         **_report([0, 1, 2], "A"),
