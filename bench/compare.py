@@ -239,8 +239,9 @@ def machine_line(report: dict[str, Any]) -> str:
     return "Machines: " + "; ".join(f"seeds {seeds} on {name}" for name, seeds in by_machine.items()) + "."
 
 
-def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]] | None = None) -> None:
-    """``compare.json``, ``compare.md`` and ``compare.png`` from the collected rows (and any merged reports')."""
+def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]] | None = None) -> str:
+    """``compare.json``, ``compare.md`` and ``compare.png`` from the collected rows (and any merged reports'); returns
+    the verdict tables' markdown."""
     if merged:
         report = with_merged(report, merged)
     rows = report["rows"]
@@ -283,6 +284,7 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
         text += ["Failed runs:", "", *[f"- {f}" for f in failed], ""]
     (out / "compare.md").write_text("\n".join(text))
     plot(rows, out / "compare.png")
+    return verdicts
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -383,6 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     merged = [merge_report(report, Path(path)) for path in args.merge]
     total = len(strategies) * len(seeds)
+    verdicts = ""
     try:
         # seed by seed: a comparison stopped early still has every strategy on the same seeds
         for i, (seed, (label, name, extra)) in enumerate(((seed, s) for seed in seeds for s in strategies), 1):
@@ -412,10 +415,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["rows"] += rows
             report["runs"].append(run)
             print(progress_line(i, total, run, rows, rounds), flush=True)
-            write_report(out, report, merged)  # after every run: a long comparison can be read while it goes on
+            # after every run: a long comparison can be read while it goes on
+            verdicts = write_report(out, report, merged)
     finally:
         stop_superlink(home)
-    print(verdict_tables(report["rows"] + [r for m in merged for r in m["rows"]], report["references"])[0], flush=True)
+    print(verdicts, flush=True)
     print(f"[compare] report: {out / 'compare.md'}", flush=True)
     return report
 

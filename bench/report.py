@@ -299,7 +299,7 @@ def verdict_tables(
     """Every strategy against every reference (local-only, FedAvg) it is not: the paired worst-client and
     mean-client differences per seed and averaged, with bootstrap intervals and a verdict, then who is helped or
     hurt beyond the interval. Returns the markdown and the same as records (for compare.json)."""
-    from bench.stats import STATISTICS, paired_interval, per_client_intervals
+    from bench.stats import BETTER, STATISTICS, UNRESOLVED, WORSE, paired_interval, per_client_intervals
 
     strategies = strategies_in(rows)
     data = {s: example_losses(rows, s) for s in strategies}
@@ -340,10 +340,10 @@ def verdict_tables(
                 )
             clients = per_client_intervals(data[strategy], data[reference], replicates, level)
             verdicts = [c.verdict for c in clients.values()]
-            worse = "; ".join(f"{c} ({labels.get(c, '?')}): {i}" for c, i in clients.items() if i.verdict == "worse")
+            worse = "; ".join(f"{c} ({labels.get(c, '?')}): {i}" for c, i in clients.items() if i.verdict == WORSE)
             harm.append(
-                f"| {pair} | {verdicts.count('better')} | {verdicts.count('worse')} | "
-                f"{verdicts.count('not resolved')} | {worse or '–'} |"
+                f"| {pair} | {verdicts.count(BETTER)} | {verdicts.count(WORSE)} | "
+                f"{verdicts.count(UNRESOLVED)} | {worse or '–'} |"
             )
             records.append(
                 {
@@ -364,4 +364,6 @@ def verdict_tables(
 
 
 def verdict_cell(verdict: str) -> str:
-    return f"**{verdict}**" if verdict != "not resolved" else verdict
+    from bench.stats import UNRESOLVED
+
+    return verdict if verdict == UNRESOLVED else f"**{verdict}**"
