@@ -36,8 +36,9 @@ from common.records import (
     report_reply,
     train_reply,
 )
+from common.reply_checks import clip_update
 from common.training import round_learning_rate, train_round
-from strategies.base import SECAGG_CLIP, SECAGG_MAX_WEIGHT, WEIGHT_BY, WEIGHT_BY_EXAMPLES
+from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, WEIGHT_BY, WEIGHT_BY_EXAMPLES
 
 from .runtime import begin_message, get_runtime
 
@@ -123,6 +124,11 @@ def train(msg: Message, context: Context) -> Message:
         # Flower's SecAgg+ only warns when a weight exceeds its max_weight (the quantised sum can then wrap), and
         # the server refuses a group whose reported weight is over it: an honest member caps its own.
         weight = min(weight, int(float(config[SECAGG_MAX_WEIGHT])))
+        if SECAGG_CLIP_NORM in config:  # the server cannot clip what it cannot see, and refuses a mean beyond it
+            received = arrays or {}
+            sent = {k: received.get(k, np.zeros_like(v)) for k, v in updated.items()}
+            updated, clipped = clip_update(updated, sent, float(config[SECAGG_CLIP_NORM]))
+            metrics["secagg_norm_clipped"] = int(clipped)
         metrics["secagg_clipped"] = secagg_clipped(updated, weight, config)
     if "audit-dir" in context.node_config:
         keep_audit_copy(Path(str(context.node_config["audit-dir"])), server_round, rt.partition_id, updated, weight)

@@ -24,14 +24,8 @@ from strategies import Strategy, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
 from .rundir import RunDirectory
-from .transport import (
-    collect_reports,
-    evaluate_nodes,
-    query_clients,
-    train_groups_plain,
-    train_groups_secure,
-    wait_for_nodes,
-)
+from .secure import train_groups_secure
+from .transport import collect_reports, evaluate_nodes, query_clients, train_groups_plain, wait_for_nodes
 
 log = get_logger("tessera.server")
 app = ServerApp()
@@ -296,7 +290,7 @@ def _train_rows(
                 rows[nid]["robust"] = metrics["robust"]
                 rows[None]["robust_adjusted"] = rows[None].get("robust_adjusted", 0) + 1
         rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
-        if result.aggregate_rejected:  # a secure group's aggregate refused as a whole (server_app.transport)
+        if result.aggregate_rejected:  # a secure group's aggregate refused as a whole (server_app.secure)
             rows[None].setdefault("aggregates_rejected", {})[result.name] = result.aggregate_rejected
     return rows
 

@@ -1,6 +1,7 @@
-"""How a group's mean reaches the server: plain sums in the clear, or Flower's SecAgg+ workflow.
+"""How a group's mean reaches the server: plain sums in the clear (here), or Flower's SecAgg+ workflow
+(``server_app.secure``).
 
-``train_groups_plain`` (all groups' members at once) and ``train_group_secure`` (one group) return
+``train_groups_plain`` (all groups' members at once) and ``secure.train_group_secure`` (one group) return
 ``strategies.GroupResult``s; strategies never see which one ran. Members receive their start adapter and return
 the group's ``send_back`` names (all of them, or the routed blocks). Plain mode validates every reply (keys,
 shapes, NaN/Inf, num_examples) and leaves bad ones out with a logged reason. Secure mode runs one
@@ -14,28 +15,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
-import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 
-from common.config import MODULUS_RANGE, SecAggSection
 from common.logs import get_logger
 from common.records import (
     QUERY_INITIAL,
     QUERY_REPORT,
     ReplyError,
-    check_arrays,
     eval_instruction,
     num_bytes,
-    pack,
     query_instruction,
     read_initial_reply,
     read_metrics,
     read_report_reply,
     read_train_reply,
     train_instruction,
-    unpack,
 )
 from common.reply_checks import (
     ReplyLimits,
@@ -44,24 +40,9 @@ from common.reply_checks import (
     check_update,
     check_weight,
     clip_update,
-    masked_weight_problem,
 )
-from server_app.secure_weights import record_unmasked_weight
 from strategies.aggregation import weighted_mean
-from strategies.base import (
-    MIN_SECURE_GROUP,
-    SECAGG_CLIP,
-    SECAGG_MAX_WEIGHT,
-    WEIGHT_BY,
-    WEIGHT_BY_EXAMPLES,
-    Arrays,
-    ClientInfo,
-    Group,
-    GroupResult,
-)
-
-if TYPE_CHECKING:
-    from flwr.server.strategy import Strategy
+from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, Group, GroupResult
 
 log = get_logger("tessera.server")
 
@@ -159,173 +140,6 @@ def max_weight(group: Group, examples_per_round: int) -> float:
     if group.max_weight is not None:
         return group.max_weight
     return float(examples_per_round) if group.weight_by == WEIGHT_BY_EXAMPLES else 1.0
-
-
-def train_groups_secure(
-    grid,
-    context: Context,
-    server_round: int,
-    groups: list[Group],
-    config: dict[str, Any],
-    cfg: SecAggSection,
-    limits: ReplyLimits,
-) -> list[GroupResult]:
-    """``train_group_secure`` for every group, the groups concurrently (one thread each).
-
-    The groups of a round are independent SecAgg+ runs over disjoint members: each ``SecAggPlusWorkflow`` waits on
-    its own messages (Flower's grids pull replies by message id, so concurrent callers do not take each other's
-    replies) and each client keeps its SecAgg+ state in its own context; so members of different groups train at
-    the same time instead of one group after another."""
-    if len(groups) <= 1:
-        return [train_group_secure(grid, context, server_round, g, config, cfg, limits) for g in groups]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="secagg-group") as pool:
-        futures = [pool.submit(train_group_secure, grid, context, server_round, g, config, cfg, limits) for g in groups]
-        return [f.result() for f in futures]
-
-
-def train_group_secure(
-    grid,
-    context: Context,
-    server_round: int,
-    group: Group,
-    config: dict[str, Any],
-    cfg: SecAggSection,
-    limits: ReplyLimits,
-) -> GroupResult:
-    """The same contract as ``train_groups_plain``, for one group, through one run of Flower's SecAgg+ protocol.
-
-    Members mask their update multiplied by weight / ``max_weight(group)`` (members cap it at 1); the server
-    unmasks the sum and divides by the sum of the weights, which gives the plain path's weighted mean. The server
-    cannot leave one member out after unmasking, so a member whose clear reply fails ``limits`` (metrics, a weight
-    over the cap) or whose masked weight differs from its reported one costs the group this round's aggregate
-    (the group keeps its start adapter), never the run."""
-    from flwr.server import LegacyContext
-    from flwr.server.workflow import SecAggPlusWorkflow
-    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
-
-    why = secure_group_problem(len(group.members), cfg)
-    if why:  # never in the clear instead, never a leaking or failing group: not trained, and said so
-        log.error("round %d group %s: %s", server_round, group.name, why)
-        return GroupResult(group.name, None, 0.0, [], rejected={nid: why for nid in group.members})
-    reference = group.reply_reference(group.members[0])  # what members send back (packed: one vector)
-    # members count the values SecAgg+ will clip (it clamps silently): they need its range and this group's weight
-    cap = max_weight(group, limits.examples_per_round)
-    clip_config = {SECAGG_CLIP: cfg.clipping_range, SECAGG_MAX_WEIGHT: cap}
-    capture = _CaptureGroup(grid, context.run_id, group, config, clip_config)
-    state = RecordDict(
-        {MAIN_CONFIGS_RECORD: ConfigRecord({Key.CURRENT_ROUND: server_round}), MAIN_PARAMS_RECORD: ArrayRecord()}
-    )
-    legacy = LegacyContext(
-        Context(context.run_id, context.node_id, dict(context.node_config), state, dict(context.run_config)),
-        # cast: a duck-typed legacy strategy; SecAgg+ only calls configure_fit / aggregate_fit on it.
-        strategy=cast("Strategy", capture),
-    )
-    workflow = SecAggPlusWorkflow(
-        num_shares=_as_share_param(cfg.num_shares),
-        reconstruction_threshold=_as_share_param(cfg.reconstruction_threshold),
-        max_weight=cap,
-        clipping_range=cfg.clipping_range,
-        quantization_range=cfg.quantization_range,
-        timeout=cfg.timeout,
-    )
-    with record_unmasked_weight() as unmasked:
-        workflow(grid, legacy)
-    result = GroupResult(group.name, None, 0.0, sorted(capture.metrics), metrics=capture.metrics)
-    result.rejected = {nid: "dropped out of SecAgg+" for nid in group.members if nid not in capture.metrics}
-    if capture.mean is not None:
-        try:
-            _check_secure_replies(result, unmasked, cap, cfg, limits)
-            if len(capture.mean) != 1:
-                raise ReplyError(f"{len(capture.mean)} arrays in the aggregate, expected one packed vector")
-            mean = unpack(capture.mean[0], reference)
-            check_arrays(mean, reference)
-            result.mean = {k: v.astype(np.float32) for k, v in mean.items()}
-            result.total_weight = float(sum(m["num_examples"] for m in capture.metrics.values()))
-        except ReplyError as err:
-            result.mean, result.contributors, result.aggregate_rejected = None, [], str(err)
-            log.warning("round %d group %s: secure aggregate rejected: %s", server_round, group.name, err)
-    for nid, reason in result.rejected.items():
-        log.warning("round %d group %s: node %d left out: %s", server_round, group.name, nid, reason)
-    return result
-
-
-def _check_secure_replies(
-    result: GroupResult, unmasked: list[int], cap: float, cfg: SecAggSection, limits: ReplyLimits
-) -> None:
-    """The clear parts of a secure group's replies held to ``limits`` (a failing member's metrics are dropped and
-    its reason recorded), then the weight SecAgg+ unmasked held to the reported ones (``masked_weight_problem``).
-    ``ReplyError`` if the aggregate cannot be used: it holds a bad member's update."""
-    reported, bad = {}, []
-    for nid, member in list(result.metrics.items()):
-        try:
-            metrics = check_metrics({k: v for k, v in member.items() if k != "num_examples"}, limits.train_metrics)
-            count, capped = check_weight(member["num_examples"], cap)
-            if capped:
-                raise ReplyError(f"num_examples {member['num_examples']} is over the group's cap {cap:g}")
-        except ReplyError as err:
-            result.metrics[nid] = {}
-            result.rejected[nid] = str(err)
-            bad.append(nid)
-            continue
-        result.metrics[nid] = {**metrics, "num_examples": count}
-        reported[nid] = count
-    if bad:
-        raise ReplyError(f"it holds the update of node(s) {', '.join(map(str, bad))}, whose replies were refused")
-    if len(unmasked) != 1:
-        raise ReplyError("SecAgg+ did not expose the unmasked total weight; the aggregate cannot be checked")
-    problem = masked_weight_problem(unmasked[0], reported, cap, cfg.quantization_range, MODULUS_RANGE)
-    if problem:
-        raise ReplyError(problem)
-
-
-def secure_group_problem(size: int, cfg: SecAggSection) -> str | None:
-    """Why a SecAgg+ group of ``size`` members cannot run with ``cfg`` (None if it can): under 3 members it leaks
-    (2: each learns the other's update; 1: the update itself); counts of shares or of the reconstruction threshold
-    beyond the group fail inside Flower; the group's quantised sum must stay below the modulus."""
-    if size < MIN_SECURE_GROUP:
-        return f"secure group of {size} < {MIN_SECURE_GROUP} members is not trained (SecAgg+ would leak)"
-    if cfg.num_shares > 1 and cfg.num_shares > size:
-        return f"secagg.num-shares={cfg.num_shares:g} exceeds the group's {size} members"
-    if cfg.reconstruction_threshold > 1 and cfg.reconstruction_threshold > size:
-        return f"secagg.reconstruction-threshold={cfg.reconstruction_threshold:g} exceeds the group's {size} members"
-    if size * cfg.quantization_range >= MODULUS_RANGE:
-        return f"{size} members x secagg.quantization-range={cfg.quantization_range} overflows SecAgg+'s 2^32 modulus"
-    return None
-
-
-def _as_share_param(value: float) -> int | float:
-    """SecAgg+ reads an int as a count and a float as a fraction of the group."""
-    return int(value) if value > 1 else float(value)
-
-
-class _CaptureGroup:
-    """A minimal legacy strategy: selects the group's members and captures SecAgg+'s unmasked mean."""
-
-    def __init__(self, grid, run_id: int, group: Group, config: dict[str, Any], extra: dict[str, Any]) -> None:
-        from flwr.common import FitIns, ndarrays_to_parameters
-        from flwr.server.compat.grid_client_proxy import GridClientProxy
-
-        self.instructions = []  # each member's start adapter packed into one vector (``common.records``)
-        for nid in group.members:
-            settings = {**member_config(group, config, nid), **extra}
-            fit_ins = FitIns(ndarrays_to_parameters([pack(group.start[nid])]), settings)
-            self.instructions.append((GridClientProxy(nid, grid, run_id), fit_ins))
-        self.mean: list[np.ndarray] | None = None
-        self.metrics: dict[int, dict[str, Any]] = {}
-
-    def configure_fit(self, server_round, parameters, client_manager):
-        return self.instructions
-
-    def aggregate_fit(self, server_round, results, failures):
-        from flwr.common import parameters_to_ndarrays
-
-        for proxy, fitres in results:
-            self.metrics[proxy.node_id] = {**fitres.metrics, "num_examples": fitres.num_examples}
-        if results:
-            self.mean = parameters_to_ndarrays(results[0][1].parameters)
-        return None, {}
 
 
 def evaluate_nodes(

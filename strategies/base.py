@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from common.secure_bounds import MIN_SECURE_GROUP  # noqa: F401  (re-exported: groups are sized by it)
+
 if TYPE_CHECKING:
     from common.config import RunConfig
 
@@ -28,7 +30,8 @@ Arrays = dict[str, np.ndarray]
 # train-instruction keys in secure mode: SecAgg+'s clipping range and the group's max weight, so that a member can
 # count the values SecAgg+ will clip (reported as the train metric "secagg_clipped")
 SECAGG_CLIP, SECAGG_MAX_WEIGHT = "secagg-clipping-range", "secagg-max-weight"
-MIN_SECURE_GROUP = 3  # SecAgg+ among 2 leaks each member's update to the other; among 1 it is the update itself
+# and the L2 norm a member clips its own update to before masking (the server cannot clip what it cannot see)
+SECAGG_CLIP_NORM = "secagg-clip-norm"
 WEIGHT_BY = "weight-by"  # the train-instruction config key that carries it
 WEIGHT_BY_EXAMPLES = "examples"  # the examples it trained on this round (FedAvg)
 WEIGHT_EQUALLY = "equal"  # 1 each: a plain mean (or, with max_weight 1, a plain sum's share)

@@ -265,7 +265,8 @@ def both_modes_in_process(tmp_path: str) -> None:
     move, see ``trained``); the server runs round 1 of FedSA-LoRA in the clear, then again from the same global A
     through SecAgg+. Each client writes the B it keeps after every message."""
     from client_app.app import secure_aggregation_mod
-    from server_app.transport import query_clients, train_groups_plain, train_groups_secure, wait_for_nodes
+    from server_app.secure import train_groups_secure
+    from server_app.transport import query_clients, train_groups_plain, wait_for_nodes
 
     out = Path(tmp_path)
     client = ClientApp(mods=[secure_aggregation_mod])

@@ -16,7 +16,8 @@ from client_app.app import secure_aggregation_mod
 from common.config import SecAggSection
 from common.records import read_train_instruction, train_reply
 from common.reply_checks import IDENTITY_METRICS, ReplyLimits
-from server_app.transport import train_group_secure, wait_for_nodes
+from server_app.secure import train_group_secure
+from server_app.transport import wait_for_nodes
 from strategies.aggregation import secagg_error_bound, secagg_weights, weighted_mean
 from strategies.base import Group
 
@@ -170,3 +171,123 @@ def test_members_count_the_values_secagg_will_clip():
     assert secagg_clipped(update, 10, config) == 3  # 9, -20, -8.1
     assert secagg_clipped(update, 5, config) == 1  # halved: only -20 -> -10
     assert secagg_clipped(update, 50, config) == 3  # the ratio is capped at 1, as members cap their weight
+
+
+# One simulation of 4 members, one SecAgg+ group per round; partition 0 attacks as the round's scenario says.
+# (round, attack, members) -- round 1 is honest and tells the server which node is which partition.
+HOSTILE_ROUNDS = [
+    (1, None, 4),
+    (2, "shift", 3),
+    (3, "nudge", 3),
+    (4, "long", 4),
+    (5, "scalar", 4),
+    (6, "short", 4),
+    (7, "dropout", 4),
+    (8, "dropout", 3),
+    (9, "long", 3),
+]
+HOSTILE_NORM = 5.0  # robust.max-update-norm for these rounds: honest updates here have norm ~2.5
+
+
+def hostile_rounds_in_process(tmp_path: str) -> None:
+    from hostile import hostile_mod
+
+    attacks = {str(r): a for r, a, _ in HOSTILE_ROUNDS}
+    client = ClientApp(mods=[hostile_mod(lambda p, g: attacks.get(g) if p == 0 else None), secure_aggregation_mod])
+
+    @client.train()
+    def train(msg: Message, context: Context) -> Message:
+        update, n = client_update(int(context.node_config["partition-id"]))
+        metrics = {"partition-id": int(context.node_config["partition-id"])}
+        return Message(train_reply(update, n, metrics), reply_to=msg)
+
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        nodes = wait_for_nodes(grid, 4, timeout=120)
+        limits = ReplyLimits(int(MAX_WEIGHT), max_update_norm=HOSTILE_NORM, train_metrics=IDENTITY_METRICS)
+        partition_of: dict[int, int] = {}
+        out = {}
+        for server_round, _, size in HOSTILE_ROUNDS:
+            members = nodes if not partition_of else sorted(nodes, key=partition_of.__getitem__)[:size]
+            group = Group("g", {n: START for n in members})
+            result = train_group_secure(
+                grid, context, server_round, group, {"server-round": server_round}, SecAggSection(), limits
+            )
+            if server_round == 1:
+                partition_of = {n: m["partition-id"] for n, m in result.metrics.items()}
+            out[server_round] = {
+                "mean": None if result.mean is None else {k: v.tolist() for k, v in result.mean.items()},
+                "aggregate_rejected": result.aggregate_rejected,
+                "contributors": sorted(partition_of.get(n, -1) for n in result.contributors),
+                "rejected": {str(partition_of.get(n, -1)): why for n, why in result.rejected.items()},
+            }
+        (Path(tmp_path) / "result.json").write_text(json.dumps(out))
+
+    run_simulation(
+        server_app=server, client_app=client, num_supernodes=4, backend_config={"client_resources": {"num_cpus": 1}}
+    )
+
+
+@pytest.fixture(scope="module")
+def hostile_rounds(tmp_path_factory) -> dict[int, dict]:
+    tmp = tmp_path_factory.mktemp("hostile")
+    run_in_child("test_secagg", "hostile_rounds_in_process", str(tmp))
+    return {int(k): v for k, v in json.loads((tmp / "result.json").read_text()).items()}
+
+
+def _plain_mean_of(partitions: list[int]) -> tuple[dict, float]:
+    updates, examples = zip(*(client_update(p) for p in partitions))
+    weights = secagg_weights(examples, MAX_WEIGHT)
+    bound = secagg_error_bound(weights, SecAggSection().clipping_range, SecAggSection().quantization_range)
+    return weighted_mean(list(updates), weights), bound
+
+
+def test_an_honest_group_passes_the_bounds_hostile_ones_are_checked_against(hostile_rounds):
+    honest = hostile_rounds[1]
+    assert honest["aggregate_rejected"] is None and honest["contributors"] == [0, 1, 2, 3], honest
+    plain, bound = _plain_mean_of([0, 1, 2, 3])
+    assert all(np.abs(np.asarray(honest["mean"][k]) - plain[k]).max() <= bound for k in NAMES)
+
+
+@pytest.mark.parametrize("server_round, says", [(2, "outside what 3 members"), (3, "(L2) from its members' starts")])
+def test_a_member_masking_out_of_range_values_costs_its_group_the_aggregate(hostile_rounds, server_round, says):
+    """Partition 0 masks its honest weight but adds 4 x the quantisation range to every value (the group mean would
+    move by ~20 per coordinate), or a quarter of it (inside the box, ~10 in L2): the aggregate is refused, named."""
+    out = hostile_rounds[server_round]
+    assert out["mean"] is None and says in (out["aggregate_rejected"] or ""), out
+
+
+@pytest.mark.parametrize("server_round", [4, 5, 6, 7])
+def test_a_malformed_or_missing_masked_vector_costs_only_its_member(hostile_rounds, server_round):
+    """A masked update of the wrong length, of shape (1,) (Flower would broadcast it), missing, or never sent:
+    the member is left out as a dropped one, its masks are removed, and the other three members' mean is exact."""
+    out = hostile_rounds[server_round]
+    assert out["aggregate_rejected"] is None and out["contributors"] == [1, 2, 3], out
+    says = "dropped out" if server_round == 7 else "masked"
+    assert list(out["rejected"]) == ["0"] and says in out["rejected"]["0"], out
+    plain, bound = _plain_mean_of([1, 2, 3])
+    assert all(np.abs(np.asarray(out["mean"][k]) - plain[k]).max() <= bound for k in NAMES)
+
+
+@pytest.mark.parametrize("server_round", [8, 9])
+def test_a_three_member_group_never_finishes_with_two(hostile_rounds, server_round):
+    """One of three drops out after the share-keys stage (or is refused for a malformed vector): Flower's own
+    threshold (2 of 3) would finish with two, each then knowing the other's update; the group halts, named."""
+    out = hostile_rounds[server_round]
+    assert out["mean"] is None and out["contributors"] == [] and "halted" in (out["aggregate_rejected"] or ""), out
+    assert "0" in out["rejected"]
+    if server_round == 9:
+        assert "masked" in out["rejected"]["0"]
+
+
+def test_the_reconstruction_threshold_never_lets_fewer_than_three_finish():
+    from common.secure_bounds import flower_shares_and_threshold, reconstruction_threshold
+
+    assert flower_shares_and_threshold(3, 1.0, 0.67) == (3, 2)  # Flower's own: two of three would finish
+    for size in range(3, 40):
+        for shares in (1.0, 0.5, 0.3):
+            for threshold in (0.1, 0.5, 0.67, 1.0):
+                needed = reconstruction_threshold(size, shares, threshold)
+                assert 3 <= needed <= flower_shares_and_threshold(size, shares, threshold)[0]

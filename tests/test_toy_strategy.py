@@ -162,7 +162,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_a_secure_group_of_fewer_than_three_is_not_trained():
     from common.reply_checks import ReplyLimits
-    from server_app.transport import train_group_secure
+    from server_app.secure import train_group_secure
     from strategies import Group
 
     start = {"w": np.zeros(2, np.float32)}
@@ -185,7 +185,7 @@ def test_a_secure_group_of_fewer_than_three_is_not_trained():
 def test_a_secure_group_that_would_leak_or_fail_in_flower_is_named_not_run(size, settings, says):
     from pydantic import ValidationError
 
-    from server_app.transport import secure_group_problem
+    from server_app.secure import secure_group_problem
 
     try:
         cfg = SecAggSection.model_validate({k: v for k, v in settings.items() if k != "quantization_range"})
