@@ -98,7 +98,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
                 cfg.min_train_replies,
                 {n: why for r in results for n, why in r.rejected.items()},
             )
-            results = [GroupResult(r.name, None, 0.0, [], r.rejected, r.metrics) for r in results]
+            results = [GroupResult(r.name, None, 0.0, [], r.rejected, r.metrics, r.aggregate_rejected) for r in results]
         aggregate_started = time.perf_counter()
         strategy.update(server_round, results)
         aggregate_seconds = time.perf_counter() - aggregate_started

@@ -30,14 +30,14 @@ def toymean():
     REGISTRY.pop(toy_strategy.SPEC.name, None)  # other tests see only the built-in strategies
 
 
-def run(run_config: dict, nodes: int = 3) -> None:
-    run_in_child("test_toy_strategy", "run_in_process", run_config, nodes)
+def run(run_config: dict, nodes: int = 3, hostile: dict[str, str] | None = None) -> None:
+    run_in_child("test_toy_strategy", "run_in_process", run_config, nodes, hostile)
 
 
-def run_in_process(run_config: dict, nodes: int) -> None:
+def run_in_process(run_config: dict, nodes: int, hostile: dict[str, str] | None = None) -> None:
     import toy_strategy  # noqa: F401  (registers the toy in this process, where the ServerApp runs)
 
-    client = _client_app(run_config)
+    client = _client_app(run_config, hostile)
     server = ServerApp()
 
     @server.main()
@@ -52,10 +52,17 @@ def run_in_process(run_config: dict, nodes: int) -> None:
     )
 
 
-def _client_app(run_config: dict) -> ClientApp:
+def _client_app(run_config: dict, hostile: dict[str, str] | None = None) -> ClientApp:
+    """The real ClientApp's handlers with our run config; ``hostile``: partition id -> SecAgg+ attack in round 1
+    (``tests/hostile.py``)."""
     from client_app.app import secure_aggregation_mod
 
-    app = ClientApp(mods=[secure_aggregation_mod])
+    mods = [secure_aggregation_mod]
+    if hostile:
+        from hostile import hostile_mod
+
+        mods.insert(0, hostile_mod(lambda p, group_id: hostile.get(str(p)) if group_id == "1" else None))
+    app = ClientApp(mods=mods)
 
     def handle(kind: str, msg: Message, context: Context) -> Message:
         import toy_strategy  # noqa: F401  (registers the toy in this worker process)
@@ -154,6 +161,31 @@ def test_secure_groups_of_a_round_run_concurrently_and_each_sums_its_own_members
         assert np.abs(state["global"][key] - expected).max() <= bound, key
     log = [r for r in _rows(run_dir) if r["round"] == 1 and r["node"] is not None]
     assert sorted(r["group"] for r in log) == ["g0"] * 3 + ["g1"] * 3 and all(r["accepted"] for r in log)
+
+
+@pytest.mark.e2e
+def test_a_secure_run_with_hostile_members_completes_every_round_refusing_their_groups(
+    toymean, tiny_llama_dir, tmp_path
+):
+    """Nine clients in three SecAgg+ groups of three (partition id mod 3), through the real ServerApp and ClientApp.
+    In round 1 partition 0 masks out-of-range values, partition 1 sends a masked vector one coordinate too long and
+    partition 2 drops out after the share-keys stage: the run completes every round, round 1 refuses the three
+    groups' aggregates and names each (the adapter stays where it was), and round 2, honest, trains every client."""
+    run_dir = tmp_path / "run"
+    settings = config(tiny_llama_dir, run_dir, secure=True, **{"toymean.groups": 3, "min-train-replies": 3})
+    run(settings, nodes=9, hostile={"0": "shift", "1": "long", "2": "dropout"})
+    rows = _rows(run_dir)
+    first = next(r for r in rows if r["round"] == 1 and r["node"] is None)
+    refused = first.get("aggregates_rejected", {})
+    assert sorted(refused) == ["g0", "g1", "g2"], first
+    assert "outside what 3 members" in refused["g0"] and "halted" in refused["g1"] and "halted" in refused["g2"]
+    partition_of = {str(r["node"]): r["partition_id"] for r in rows if r["round"] == 0 and r["node"] is not None}
+    reasons = {partition_of[node]: why for node, why in first["rejected"].items()}
+    assert "masked" in reasons[1] and "dropped out" not in reasons[1], reasons
+    assert not any(r.get("accepted") for r in rows if r["round"] == 1 and r["node"] is not None)
+    second = [r for r in rows if r["round"] == 2 and r["node"] is not None]
+    assert len(second) == 9 and all(r["accepted"] for r in second)
+    assert "aggregates_rejected" not in next(r for r in rows if r["round"] == 2 and r["node"] is None)
 
 
 def _rows(run_dir: Path) -> list[dict]:
