@@ -210,8 +210,9 @@ class SecAggSection(Section):
     @field_validator("num_shares")
     @classmethod
     def _shares(cls, value: float) -> float:
-        if value > 1 and (value < 3 or not float(value).is_integer()):
-            raise ValueError(f"a fraction of the group in (0, 1] or a whole number of shares >= 3, got {value}")
+        # a count must exceed the reconstruction threshold, which is never below 3 (common.secure_bounds)
+        if value > 1 and (value < 4 or not float(value).is_integer()):
+            raise ValueError(f"a fraction of the group in (0, 1] or a whole number of shares >= 4, got {value}")
         return value
 
     @field_validator("reconstruction_threshold")

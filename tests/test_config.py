@@ -71,6 +71,7 @@ def test_simgrad_temperature_is_finite_and_not_tiny(value):
     [
         ("secagg.num-shares", 2),  # Flower refuses it at round 1, after a whole round-0 evaluation
         ("secagg.num-shares", 2.5),
+        ("secagg.num-shares", 3),  # leaves no threshold of 3 below it: two members could finish a group
         ("secagg.reconstruction-threshold", 1.5),
         ("secagg.quantization-range", 2**33),  # overflows the 2^32 modulus: the same late crash
         ("secagg.clipping-range", float("inf")),
