@@ -47,7 +47,9 @@ def test_two_real_models_federate_and_the_aggregate_loss_falls(simgrad_run):
 
 def test_only_routed_pq_and_the_signature_travel(simgrad_run):
     _, rows = simgrad_run
-    for row in (r for r in rows if r["round"] == 1 and r["node"] is not None):
+    trained = [r for r in rows if r["round"] == 1 and r["node"] is not None]
+    assert len(trained) == 3, trained  # every client's row, so the checks below cannot pass on none
+    for row in trained:
         assert len(row["active_blocks"]) == 2 and len(row["beta"]) == 4
         assert row["bytes_up"] - row["report_bytes"] == PQ_BYTES_PER_ROUTED_ROUND  # not LoRA's ~1.8 MB
         assert row["routing_bytes_saved"] == PQ_BYTES_PER_ROUTED_ROUND  # the 2 inactive blocks of 4 stayed home

@@ -79,6 +79,18 @@ def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool, liar: s
         return Message(train_reply(update, n, metrics), reply_to=msg)
 
     server = ServerApp()
+    # what Flower's real members masked as their total weight, taken where the workflow unmasks it
+    from flwr.server.workflow.secure_aggregation import secaggplus_workflow
+
+    unmasked_weights: list[int] = []
+    inner = secaggplus_workflow.factor_extract
+
+    def spying_factor_extract(parameters):
+        factor, rest = inner(parameters)
+        unmasked_weights.append(int(factor))
+        return factor, rest
+
+    secaggplus_workflow.factor_extract = spying_factor_extract
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
@@ -94,6 +106,7 @@ def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool, liar: s
                     "partitions": sorted(m["partition-id"] for m in result.metrics.values() if m),
                     "examples": {str(m["partition-id"]): m["num_examples"] for m in result.metrics.values() if m},
                     "rejected": result.rejected,
+                    "unmasked_weights": unmasked_weights,
                 }
             )
         )
@@ -106,8 +119,13 @@ def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool, liar: s
     )
 
 
-def test_secure_mean_equals_plain_weighted_mean(tmp_path):
-    out = run_secure_round(tmp_path, num_nodes=4)
+@pytest.fixture(scope="module")
+def honest_round(tmp_path_factory) -> dict:
+    return run_secure_round(tmp_path_factory.mktemp("honest"), num_nodes=4)
+
+
+def test_secure_mean_equals_plain_weighted_mean(honest_round):
+    out = honest_round
     assert out["partitions"] == [0, 1, 2, 3] and out["rejected"] == {}
     updates, examples = zip(*(client_update(p) for p in range(4)))
     weights = secagg_weights(examples, MAX_WEIGHT)  # 10, 20, 30, 40 examples -> 0.25 .. 1.0
@@ -149,14 +167,27 @@ def test_a_member_reporting_another_weight_than_it_masked_costs_the_group_its_ag
         assert "over the group's cap" in json.dumps(out["rejected"])
 
 
-def test_the_weight_check_is_exact_for_honest_members_and_catches_a_wrapped_weight():
+def test_the_weight_check_accepts_what_flowers_real_members_masked(honest_round):
+    """The total weight Flower's own members masked in a real SecAgg+ round (taken where the workflow unmasks it,
+    not recomputed with the check's formula) passes the check for their reported weights; one unit off does not."""
+    from common.config import MODULUS_RANGE
+    from common.reply_checks import masked_weight_problem
+
+    (masked,) = honest_round["unmasked_weights"]
+    reported = {int(p): n for p, n in honest_round["examples"].items()}
+    assert reported == {0: 10, 1: 20, 2: 30, 3: 40}
+    q = SecAggSection().quantization_range
+    assert masked_weight_problem(masked, reported, MAX_WEIGHT, q, MODULUS_RANGE) is None
+    assert masked_weight_problem(masked + 1, reported, MAX_WEIGHT, q, MODULUS_RANGE)
+    assert masked_weight_problem(masked, {**reported, 3: 39}, MAX_WEIGHT, q, MODULUS_RANGE)
+
+
+def test_the_weight_check_catches_a_wrapped_weight():
     from common.config import MODULUS_RANGE
     from common.reply_checks import masked_weight_problem
 
     q = SecAggSection().quantization_range
     honest = {1: 10, 2: 25, 3: 40}
-    masked = sum(round(n / MAX_WEIGHT * q) for n in honest.values()) % MODULUS_RANGE
-    assert masked_weight_problem(masked, honest, MAX_WEIGHT, q, MODULUS_RANGE) is None
     lying = sum(round(n / MAX_WEIGHT * q) for n in (10, 25, 4000)) % MODULUS_RANGE  # 4000 masked, 40 reported
     assert "reported num_examples to 75" in (masked_weight_problem(lying, honest, MAX_WEIGHT, q, MODULUS_RANGE) or "")
 
