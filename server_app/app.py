@@ -23,6 +23,7 @@ from common.reply_checks import ReplyLimits
 from strategies import Strategy, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
+from .admission import Admission, initialise_strategy, log_left_out
 from .rundir import RunDirectory
 from .secure import train_groups_secure
 from .transport import collect_reports, evaluate_nodes, query_clients, train_groups_plain, wait_for_nodes
@@ -62,11 +63,19 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     )
 
     first_round = 1
-    clients = query_clients(grid, node_ids, cfg.round_timeout)
-    check_partition_ids(clients)
+    admission = Admission()
+    queried = query_clients(grid, node_ids, cfg.round_timeout)
+    clients, left_out = admission.admit(queried)
+    clients, small = initialise_strategy(strategy, clients, cfg.secure)
+    left_out.update(small)
+    log_left_out(left_out)
+    if len(clients) < cfg.min_train_replies:
+        raise RuntimeError(
+            f"only {len(clients)} node(s) can take part, min-train-replies is {cfg.min_train_replies} "
+            f"(left out: {left_out or 'none'}; not answering: {sorted(set(node_ids) - set(queried)) or 'none'})"
+        )
     log.info("clients: %s", {nid: f"partition {c.partition_id}, {c.model}" for nid, c in sorted(clients.items())})
-    strategy.initialise(clients)
-    refused: set[int] = set()  # nodes that joined later and could not take part
+    refused: set[int] = set(left_out)  # nodes left out, or that joined later and could not take part
     checkpoint = run.load_checkpoint() if cfg.resume else None
     if checkpoint is not None:
         meta, state = checkpoint
@@ -83,7 +92,8 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
         started = time.perf_counter()
-        node_ids = _admit_new_nodes(grid, cfg, strategy, clients, refused, sorted(grid.get_node_ids()) or node_ids)
+        connected = sorted(grid.get_node_ids()) or node_ids
+        node_ids = _admit_new_nodes(grid, cfg, strategy, clients, refused, connected, admission)
         report_rows = (
             _collect_reports(grid, cfg, strategy, server_round, node_ids) if strategy.wants_report(server_round) else {}
         )
@@ -158,7 +168,13 @@ def check_resumable(cfg: RunConfig, strategy: Strategy, meta: dict, state: dict[
 
 
 def _admit_new_nodes(
-    grid: Grid, cfg: RunConfig, strategy: Strategy, clients: dict, refused: set[int], connected: list[int]
+    grid: Grid,
+    cfg: RunConfig,
+    strategy: Strategy,
+    clients: dict,
+    refused: set[int],
+    connected: list[int],
+    admission: Admission | None = None,
 ) -> list[int]:
     """This round's nodes: the connected ones the strategy knows. Nodes that connected since (a restarted
     SuperNode comes back with a new node id) are asked for their identity and added to the strategy first; a node
@@ -172,6 +188,9 @@ def _admit_new_nodes(
             holder = partition_holder(clients, info.partition_id, live)
             if holder is not None:  # a restarted node's old id is gone; a live one with the same id is a clash
                 raise ValueError(f"partition {info.partition_id} is already node {holder}'s (node {nid} claims it)")
+            problem = (admission or Admission()).admit({nid: info})[1].get(nid)
+            if problem:
+                raise ValueError(problem)
             strategy.initialise({nid: info})
             clients[nid] = info
             log.info("node %d joined: partition %d, %s", nid, info.partition_id, info.model)
@@ -179,18 +198,6 @@ def _admit_new_nodes(
             refused.add(nid)
             log.warning("node %d left out: %s", nid, err)
     return [nid for nid in connected if nid in clients]
-
-
-def check_partition_ids(clients: dict[int, ClientInfo]) -> None:
-    """Partition ids are self-declared (node-config): two nodes claiming one would train and be weighted as one
-    client twice, and their state would collide. Refused before round 1, naming the nodes."""
-    claims: dict[int, list[int]] = {}
-    for nid, info in sorted(clients.items()):
-        claims.setdefault(info.partition_id, []).append(nid)
-    clashes = {pid: nids for pid, nids in claims.items() if len(nids) > 1}
-    if clashes:
-        listed = "; ".join(f"partition {pid}: nodes {nids}" for pid, nids in sorted(clashes.items()))
-        raise ValueError(f"nodes claim the same partition-id (node-config): {listed}")
 
 
 def partition_holder(clients: dict[int, ClientInfo], partition_id: int, live: set[int]) -> int | None:

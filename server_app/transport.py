@@ -41,6 +41,7 @@ from common.reply_checks import (
     check_weight,
     clip_update,
 )
+from server_app.admission import read_identity
 from strategies.aggregation import weighted_mean
 from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, Group, GroupResult
 
@@ -181,9 +182,8 @@ def query_clients(grid, node_ids: list[int], timeout: float, required: bool = Tr
     for nid, reply in _send(grid, messages, timeout).items():
         try:
             arrays, identity = read_initial_reply(_content(reply))
-            clients[nid] = ClientInfo(
-                nid, int(identity.get("partition-id", nid)), str(identity.get("model", "?")), arrays
-            )
+            partition, model = read_identity(identity)
+            clients[nid] = ClientInfo(nid, partition, model, arrays)
         except (ReplyError, KeyError, TypeError, ValueError) as err:
             log.warning("node %d gave no initial adapter: %s", nid, err)
     if required and not clients:

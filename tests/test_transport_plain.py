@@ -306,15 +306,16 @@ def test_a_weight_beyond_the_instruction_is_capped_and_clipping_is_reported():
     assert "clipped" in result.metrics[1]["robust"][0]
 
 
-def test_two_nodes_claiming_one_partition_are_refused_naming_both():
+def test_a_second_node_claiming_a_partition_is_left_out_not_the_run():
     from common.config import RunConfig
     from common.records import initial_reply
-    from server_app.app import _admit_new_nodes, check_partition_ids
+    from server_app.admission import Admission
+    from server_app.app import _admit_new_nodes
     from strategies.fedavg import FedAvg
 
-    with pytest.raises(ValueError, match=r"partition 1: nodes \[5, 9\]"):
-        check_partition_ids({n: ClientInfo(n, p, "m", START) for n, p in ((2, 0), (5, 1), (9, 1))})
-    check_partition_ids({n: ClientInfo(n, n, "m", START) for n in (1, 2, 3)})
+    kept, left_out = Admission().admit({n: ClientInfo(n, p, "m", START) for n, p in ((2, 0), (5, 1), (9, 1))})
+    assert sorted(kept) == [2, 5] and list(left_out) == [9] and "already node 5's" in left_out[9]
+    assert Admission().admit({n: ClientInfo(n, n, "m", START) for n in (1, 2, 3)})[1] == {}
 
     # mid-run: a node claiming the partition of a node still connected is left out; a restarted node (its old id
     # gone) takes its partition back

@@ -1,0 +1,90 @@
+"""Who takes part (``server_app.admission``): a node's identity and initial adapter are its word, so a bad one
+leaves that node out with a reason, never the run and never everyone's start adapter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_transport_plain import START, InMemoryGrid
+
+from common.records import ReplyError, initial_reply
+from server_app.admission import Admission, initialise_strategy, read_identity
+from server_app.transport import query_clients
+from strategies.base import ClientInfo
+from strategies.fedavg import FedAvg
+
+
+@pytest.mark.parametrize(
+    ("identity", "says"),
+    [
+        ({"partition-id": 0, "model": "m" * 70_000}, "1..200 characters"),
+        ({"partition-id": 0, "model": "m" * 256}, "1..200 characters"),
+        ({"partition-id": 0, "model": "a\nb"}, "printable"),
+        ({"partition-id": 0, "model": ""}, "1..200"),
+        ({"partition-id": 0, "model": 7}, "printable"),
+        ({"partition-id": True, "model": "m"}, "partition-id"),
+        ({"partition-id": -1, "model": "m"}, "partition-id"),
+        ({"partition-id": 2**40, "model": "m"}, "partition-id"),
+        ({"model": "m"}, "partition-id"),
+    ],
+)
+def test_a_bad_identity_is_refused_naming_the_field(identity, says):
+    with pytest.raises(ReplyError, match=says):
+        read_identity(identity)
+
+
+@pytest.mark.usefixtures("task_identity")  # Messages built outside an app (conftest)
+def test_a_node_with_a_bad_identity_is_left_out_and_the_others_answer():
+    """A 70,000-character model name used to reach the round-0 checkpoint and kill the run there."""
+    grid = InMemoryGrid(
+        {
+            1: lambda content: initial_reply(START, {"partition-id": 0, "model": "smol"}),
+            2: lambda content: initial_reply(START, {"partition-id": 1, "model": "x" * 70_000}),
+            3: lambda content: initial_reply(START, {"partition-id": 2, "model": "smol"}),
+        }
+    )
+    clients = query_clients(grid, [1, 2, 3], timeout=1.0)
+    assert sorted(clients) == [1, 3] and read_identity({"partition-id": 5, "model": "smol"}) == (5, "smol")
+
+
+def _poisoned() -> dict[str, np.ndarray]:
+    """What one hostile node sent as its initial adapter: huge values and an extra 40 MB array."""
+    return {**{k: np.full_like(v, 3e38) for k, v in START.items()}, "extra": np.zeros(10_000_000, np.float32)}
+
+
+def test_a_poisoned_initial_adapter_does_not_become_the_familys_start():
+    """FedAvg adopts the first client's initial adapter as its family's start; clients of one model build the same
+    seeded adapter, so the one that differs (here from the lowest node id) is left out and the start is honest."""
+    clients = {1: ClientInfo(1, 0, "smol", _poisoned())} | {n: ClientInfo(n, n, "smol", START) for n in (2, 3, 4)}
+    kept, left_out = Admission().admit(clients)
+    assert sorted(kept) == [2, 3, 4] and "differs" in left_out[1]
+    strategy = FedAvg()
+    strategy.initialise(kept)
+    assert sorted(strategy.eval_arrays(2)) == sorted(START)
+    assert all(np.array_equal(strategy.eval_arrays(2)[k], START[k]) for k in START)
+
+
+def test_clients_of_one_model_that_all_disagree_refuse_the_run():
+    clients = {n: ClientInfo(n, n, "smol", {k: v + n for k, v in START.items()}) for n in (1, 2)}
+    with pytest.raises(ValueError, match="no majority"):
+        Admission().admit(clients)
+
+
+def test_a_node_joining_later_must_bring_the_agreed_initial_adapter():
+    admission = Admission()
+    admission.admit({n: ClientInfo(n, n, "smol", START) for n in (1, 2, 3)})
+    assert admission.admit({9: ClientInfo(9, 9, "smol", _poisoned())})[1]
+    assert admission.admit({8: ClientInfo(8, 8, "smol", dict(START))})[1] == {}
+
+
+def test_in_secure_mode_a_family_too_small_for_secagg_is_left_out_not_the_run():
+    """One node naming a model nobody else has used to stop a secure run from starting."""
+    clients = {n: ClientInfo(n, n, "smol", START) for n in (1, 2, 3)} | {4: ClientInfo(4, 3, "unique", START)}
+    strategy = FedAvg(secure=True)
+    kept, left_out = initialise_strategy(strategy, clients, secure=True)
+    assert sorted(kept) == [1, 2, 3] and list(left_out) == [4] and "fewer than 3" in left_out[4]
+    assert strategy.eval_arrays(1) is not None
+    with pytest.raises(ValueError, match="fewer than 3"):  # nothing would remain: the strategy's own refusal
+        initialise_strategy(FedAvg(secure=True), {4: clients[4], 5: ClientInfo(5, 5, "other", START)}, secure=True)
+    plain = FedAvg()
+    assert initialise_strategy(plain, clients, secure=False) == (clients, {})
