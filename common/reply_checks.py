@@ -4,8 +4,11 @@ A reply is the only thing a client controls on the server, so every value in it 
 accepted, and a bad one costs only that client's contribution to the round (``ReplyError`` with the reason):
 
 - metrics: every value a bool, a whole number, a finite float, a short string, or a list of those (no bytes, no
-  NaN/Inf, nothing huge); the keys the server reads (``TRAIN_METRICS``, ``EVAL_METRICS``) present, numeric and in
-  range;
+  NaN/Inf); the keys the server reads (``TRAIN_METRICS``, ``EVAL_METRICS``) present, numeric and in range; and
+  nothing huge: a string at most ``MAX_TEXT`` characters, a list at most ``MAX_LIST`` elements, and the reply as a
+  whole (what the server keeps, logs and writes to ``metrics.jsonl``) at most ``MAX_KEYS`` names, each a string of
+  at most ``MAX_KEY_TEXT`` characters, with at most ``MAX_TOTAL_ELEMENTS`` list elements and ``MAX_TOTAL_TEXT``
+  characters of strings summed over all its values (per-example eval losses of tens of thousands of examples fit);
 - the member's weight (``num_examples``): a finite whole number of at least 1; above what the instruction allowed
   (local steps x batch x accumulation, or the group's own maximum) it is capped, and the cap is reported;
 - arrays: float32 and finite AFTER the cast (float64 values beyond float32's range become Inf), and an update whose
@@ -25,6 +28,11 @@ from common.records import ReplyError
 
 MAX_TEXT = 4096  # characters in a string metric
 MAX_LIST = 100_000  # elements in a list metric
+# ... and in the whole reply (a client could otherwise send any number of values each within the limits above)
+MAX_KEYS = 256  # metric names
+MAX_KEY_TEXT = 128  # characters in a metric name
+MAX_TOTAL_ELEMENTS = 200_000  # list elements, summed over every list metric
+MAX_TOTAL_TEXT = 1_000_000  # characters of string values, summed over every metric and list element
 
 
 class Bound(NamedTuple):
@@ -89,14 +97,54 @@ class ReplyLimits:
 
 
 def check_metrics(metrics: Mapping[str, Any], required: Mapping[str, Bound]) -> dict[str, Any]:
-    """``metrics`` as a plain dict if every value is acceptable and every required key is present and in range."""
+    """``metrics`` as a plain dict if every name and value is acceptable, the reply as a whole within the limits
+    (``MAX_KEYS``, ``MAX_KEY_TEXT``, ``MAX_TOTAL_ELEMENTS``, ``MAX_TOTAL_TEXT``) and every required key is present
+    and in range."""
+    if len(metrics) > MAX_KEYS:
+        raise ReplyError(f"a reply of {len(metrics)} keys (at most {MAX_KEYS} metric names)")
+    size = _Size()
     for key, value in metrics.items():
+        _check_key(key)
+        size.add(key, value)
         _check_value(key, value)
     for key, bound in required.items():
         if key not in metrics:
             raise ReplyError(f"metric '{key}' is missing")
         _check_bound(key, metrics[key], bound)
     return dict(metrics)
+
+
+def _check_key(key: Any) -> None:
+    if not isinstance(key, str):
+        raise ReplyError(f"metric name must be a string, got {type(key).__name__} {str(key)[:40]!r}")
+    if len(key) > MAX_KEY_TEXT:
+        raise ReplyError(f"metric name {key[:40]!r}...: {len(key)} characters (at most {MAX_KEY_TEXT})")
+
+
+class _Size:
+    """The list elements and string characters of a reply so far, refused as soon as either exceeds its limit (before
+    the value's elements are checked one by one)."""
+
+    def __init__(self) -> None:
+        self.elements = 0
+        self.text = 0
+
+    def add(self, key: str, value: Any) -> None:
+        if isinstance(value, (list, tuple)):
+            self.elements += len(value)
+            if self.elements > MAX_TOTAL_ELEMENTS:
+                raise ReplyError(
+                    f"metric '{key}': the reply has more than {MAX_TOTAL_ELEMENTS} list elements in all "
+                    f"(MAX_TOTAL_ELEMENTS)"
+                )
+            self.text += sum(len(e) for e in value if isinstance(e, str))
+        elif isinstance(value, str):
+            self.text += len(value)
+        if self.text > MAX_TOTAL_TEXT:
+            raise ReplyError(
+                f"metric '{key}': the reply has more than {MAX_TOTAL_TEXT} characters of strings in all "
+                f"(MAX_TOTAL_TEXT)"
+            )
 
 
 def _check_value(key: str, value: Any) -> None:

@@ -24,7 +24,7 @@ from strategies import Strategy, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
 from .admission import Admission, initialise_strategy, log_left_out
-from .rundir import RunDirectory
+from .rundir import CheckpointError, RunDirectory
 from .secure import train_groups_secure
 from .transport import collect_reports, evaluate_nodes, query_clients, train_groups_plain, wait_for_nodes
 
@@ -44,6 +44,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         log.error("%s", err)
         raise
     run = RunDirectory(cfg.run_dir)
+    run.check_writable()  # a read-only or full run dir fails here, before any node is asked for anything
     if cfg.resume and not run.has_checkpoint():  # starting over would delete the metrics it means to continue
         log.error("resume=true: no checkpoint in %s; nothing changed (resume=false starts over)", run.checkpoint_dir)
         raise ValueError(
@@ -88,7 +89,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         if run.metrics_path.exists():
             run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
         _evaluate_round(grid, cfg, strategy, run, 0, node_ids, {}, time.perf_counter())
-        run.save_checkpoint(0, strategy.name, strategy.state_dict(), _checkpoint_meta(cfg, node_ids))
+        _checkpoint(run, 0, strategy, _checkpoint_meta(cfg, node_ids))
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
         started = time.perf_counter()
@@ -120,9 +121,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         rows[None].update(strategy.report())
         _evaluate_round(grid, cfg, strategy, run, server_round, node_ids, rows, started)
         strategy.plot_round(server_round, rows[None], run.path)
-        run.save_checkpoint(
-            server_round, strategy.name, strategy.state_dict(), {"nodes": node_ids, "settings": cfg.to_flat()}
-        )
+        _checkpoint(run, server_round, strategy, {"nodes": node_ids, "settings": cfg.to_flat()})
 
     adapters = _save_adapters(cfg, strategy, run)
     plot = run.plot_eval_loss()
@@ -165,6 +164,15 @@ def check_resumable(cfg: RunConfig, strategy: Strategy, meta: dict, state: dict[
             f"resume: the checkpoint in {where} was written with other settings ({'; '.join(differ) or 'unrecorded'})"
             + (f"; adapter shapes differ: {', '.join(mismatched[:3])}" if mismatched else "")
         )
+
+
+def _checkpoint(run: RunDirectory, server_round: int, strategy: Strategy, meta: dict[str, Any]) -> None:
+    """Save this round's state; if the disk refuses, the previous checkpoint stays intact and the run goes on (the
+    state is in memory; the next round tries again)."""
+    try:
+        run.save_checkpoint(server_round, strategy.name, strategy.state_dict(), meta)
+    except CheckpointError as err:
+        log.error("%s", err)
 
 
 def _admit_new_nodes(

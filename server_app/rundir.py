@@ -3,14 +3,22 @@
 Layout of ``<run-dir>``:
 - ``metrics.jsonl`` — one object per round and node (``node`` null for the aggregate row).
 - ``checkpoint/state.json`` + the ``checkpoint/state-<round>.npz`` it names — written atomically and fsynced after
-  every completed round; the previous round's pair is kept (``state.prev.json``) and used if the last is torn.
+  every completed round; the previous round's pair is kept (``state.prev.json``) and used if the last is torn. A
+  checkpoint that cannot be written (disk full, ...) leaves the previous one as it was and no partial file behind
+  (``CheckpointError``).
 - ``eval_loss.png`` — per-client eval loss per round; a strategy's own figures beside it (e.g. SimGrad's
   ``relevance/`` and ``gates.png``).
 - ``adapter/`` (or ``adapters/<name>/``) — PEFT adapter directories loadable by ``PeftModel.from_pretrained``.
+
+``RunDirectory.check_writable`` proves that all this can be written before the first round (a read-only run dir or
+a full disk is found before any node is asked for anything, not after round 0's evaluation:
+``RunDirNotWritableError``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -29,16 +37,57 @@ from . import plots
 
 log = get_logger("tessera.server")
 
+_PROBE_BYTES = 4096  # what check_writable writes, fsyncs and removes: one block
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class RunDirNotWritableError(OSError):
+    """The run dir (or its checkpoint directory, or its ``metrics.jsonl``) cannot be written: read-only, not this
+    user's, or its disk full. ``errno`` is the system's (EACCES, EROFS, ENOSPC, ...)."""
+
+
+class CheckpointError(OSError):
+    """A round's checkpoint could not be written; the previous checkpoint is kept as it was. ``errno`` is the
+    system's (ENOSPC, ...)."""
+
+
+def _os_error(kind: type[OSError], message: str, cause: OSError) -> OSError:
+    """``kind(message)`` carrying ``cause``'s errno (its ``str`` is the message alone)."""
+    err = kind(message)
+    err.errno = cause.errno
+    return err
+
 
 class RunDirectory:
-    """One run's directory (see the module docstring for its layout). Relative paths resolve against
-    ``$TESSERA_RUN_ROOT`` (set by the scripts), else the current directory."""
+    """One run's directory (see the module docstring for its layout), created if missing (else
+    ``RunDirNotWritableError``). Relative paths resolve against ``$TESSERA_RUN_ROOT`` (set by the scripts), else
+    the current directory."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = resolve_run_dir(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise _not_writable(self.path, err) from err
         self.metrics_path = self.path / "metrics.jsonl"
         self.checkpoint_dir = self.path / "checkpoint"
+
+    def check_writable(self) -> None:
+        """Prove that the run can write its results now, before any node is asked for anything: a small file is
+        created, written, fsynced and removed in the run dir and in its checkpoint directory (created if missing),
+        and an existing ``metrics.jsonl`` is opened for appending. Raises ``RunDirNotWritableError`` naming the
+        directory (or file) and what to do."""
+        for directory in (self.path, self.checkpoint_dir):
+            try:
+                directory.mkdir(exist_ok=True)
+                _probe(directory)
+            except OSError as err:
+                raise _not_writable(directory, err) from err
+        if self.metrics_path.exists():  # a resume appends to it
+            try:
+                os.close(os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND))
+            except OSError as err:
+                raise _not_writable(self.metrics_path, err) from err
 
     # metrics -------------------------------------------------------------------------------------------------
     def append_metrics(self, rows: list[dict[str, Any]]) -> None:
@@ -75,26 +124,68 @@ class RunDirectory:
     ) -> None:
         """This round's state, durably: its arrays under their own name, then ``state.json`` naming them, each
         written to a temporary file, fsynced and renamed (and the directory fsynced). The previous round's pair
-        is kept as ``state.prev.json`` + its arrays: a torn or lost write falls back to it (``load_checkpoint``)."""
-        self.checkpoint_dir.mkdir(exist_ok=True)
-        flat = {f"{group}/{key}": value for group, arrays in state.items() for key, value in arrays.items()}
+        is kept as ``state.prev.json`` + its arrays: a torn or lost write falls back to it (``load_checkpoint``).
+
+        The order makes every point of failure safe: the new arrays and json are written in full (temporary
+        files) before anything is renamed; then the current ``state.json`` is copied to ``state.prev.json``
+        (itself through a temporary file, and only if it is whole: a torn one never replaces a good previous
+        round); only then is the new json renamed over ``state.json``. So ``state.json`` always names a whole
+        checkpoint, the previous round's or this one's. On an ``OSError`` (disk full, ...) before that last rename,
+        ``state.prev.json`` is put back as it was; then the temporary files and the arrays no json names are removed
+        and ``CheckpointError`` is raised, naming the round and directory."""
+        current = self.checkpoint_dir / "state.json"
+        previous = self.checkpoint_dir / "state.prev.json"
         arrays_name = f"state-{server_round:05d}.npz"
         tmp_npz = self.checkpoint_dir / "state.tmp.npz"
-        with open(tmp_npz, "wb") as handle:
-            # cast: mypy checks **flat against savez's allow_pickle; names are "group/key", never "allow_pickle".
-            np.savez(handle, **cast(dict[str, Any], flat))
-            _fsync(handle)
-        os.replace(tmp_npz, self.checkpoint_dir / arrays_name)
-        current = self.checkpoint_dir / "state.json"
-        if current.exists():
-            os.replace(current, self.checkpoint_dir / "state.prev.json")
-        record = {"round": server_round, "strategy": strategy_name, "arrays": arrays_name, **meta}
-        _write_durably(current, json.dumps(record, indent=2))
-        _fsync_dir(self.checkpoint_dir)
-        keep = {arrays_name, _arrays_named(self.checkpoint_dir / "state.prev.json")}
-        for old in self.checkpoint_dir.glob("state-*.npz"):
-            if old.name not in keep:
-                old.unlink()
+        tmp_json = current.with_suffix(".tmp")
+        rotated, committed, old_previous = False, False, _read_or_none(previous)
+        try:
+            self.checkpoint_dir.mkdir(exist_ok=True)
+            flat = {f"{group}/{key}": value for group, arrays in state.items() for key, value in arrays.items()}
+            with open(tmp_npz, "wb") as handle:
+                # cast: mypy checks **flat against savez's allow_pickle; names are "group/key", never "allow_pickle".
+                np.savez(handle, **cast(dict[str, Any], flat))
+                _fsync(handle)
+            record = {"round": server_round, "strategy": strategy_name, "arrays": arrays_name, **meta}
+            _write_synced(tmp_json, json.dumps(record, indent=2))
+            os.replace(tmp_npz, self.checkpoint_dir / arrays_name)
+            if self._is_whole(current):
+                _write_durably(previous, current.read_text())
+                rotated = True
+            os.replace(tmp_json, current)
+            committed = True
+            _fsync_dir(self.checkpoint_dir)
+        except OSError as err:
+            if rotated and not committed:
+                _restore(previous, old_previous)
+            self._clean_up(tmp_npz, tmp_json, previous.with_suffix(".tmp"))
+            if committed:  # only the directory's fsync failed
+                message = f"checkpoint of round {server_round} in {self.checkpoint_dir} may not survive a crash: {err}"
+            else:
+                kept = _round_named(current) if self._is_whole(current) else _round_named(previous)
+                message = f"checkpoint of round {server_round} not saved in {self.checkpoint_dir}: {err}; " + (
+                    f"round {kept}'s is kept as it was" if kept is not None else "there is none before it"
+                )
+            if err.errno in _FULL:
+                message += " (its disk is full: free space, then resume=true continues from the last checkpoint)"
+            raise _os_error(CheckpointError, message, err) from err
+        self._clean_up()
+
+    def _is_whole(self, meta_path: Path) -> bool:
+        """Whether ``meta_path`` (``state.json`` or ``state.prev.json``) is JSON naming arrays that exist."""
+        name = _arrays_named(meta_path)
+        return bool(name) and (self.checkpoint_dir / name).is_file()
+
+    def _clean_up(self, *temporary: Path) -> None:
+        """Remove ``temporary`` files and the arrays neither ``state.json`` nor ``state.prev.json`` names (those of
+        older rounds, or of a round whose checkpoint failed), as far as it can: a file it cannot remove is logged."""
+        named = {_arrays_named(self.checkpoint_dir / name) for name in ("state.json", "state.prev.json")}
+        unnamed = [p for p in self.checkpoint_dir.glob("state-*.npz") if p.name not in named]
+        for path in [*temporary, *unnamed]:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as err:
+                log.warning("checkpoint: could not remove %s: %s", path, err)
 
     def adapter_dir(self, name: str) -> Path:
         """Where a final adapter is saved: ``adapter/`` (one), else ``adapters/<name>/`` with ``name`` (a model
@@ -152,12 +243,65 @@ def _arrays_named(meta_path: Path) -> str:
         return ""
 
 
-def _write_durably(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as handle:
+def _round_named(meta_path: Path) -> Any:
+    try:
+        return json.loads(meta_path.read_text()).get("round")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _read_or_none(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:  # missing (or unreadable: then there is nothing to put back)
+        return None
+
+
+def _restore(path: Path, text: str | None) -> None:
+    """Put ``path`` back as it was (``text``; None: it did not exist), as far as it can."""
+    try:
+        if text is None:
+            path.unlink(missing_ok=True)
+        else:
+            _write_durably(path, text)
+    except OSError as err:
+        log.warning("checkpoint: could not put %s back: %s", path, err)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
         handle.write(text)
         _fsync(handle)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    _write_synced(tmp, text)
     os.replace(tmp, path)
+
+
+def _probe(directory: Path) -> None:
+    """Create, write, fsync and remove a small file in ``directory`` (an OSError if any step fails)."""
+    probe = directory / f".tessera-write-probe-{os.getpid()}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        try:
+            if os.write(fd, b"\0" * _PROBE_BYTES) < _PROBE_BYTES:  # a short write: the disk filled up
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(probe))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            probe.unlink()
+
+
+def _not_writable(path: Path, err: OSError) -> OSError:
+    if err.errno in _FULL:
+        advice = "its disk is full: free space or choose another run-dir"
+    else:
+        advice = "choose another run-dir (run-dir=...) or make it writable by this user"
+    return _os_error(RunDirNotWritableError, f"run-dir {path} is not writable ({err}): {advice}", err)
 
 
 def _fsync(handle) -> None:

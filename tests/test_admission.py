@@ -88,3 +88,25 @@ def test_in_secure_mode_a_family_too_small_for_secagg_is_left_out_not_the_run():
         initialise_strategy(FedAvg(secure=True), {4: clients[4], 5: ClientInfo(5, 5, "other", START)}, secure=True)
     plain = FedAvg()
     assert initialise_strategy(plain, clients, secure=False) == (clients, {})
+
+
+def test_a_run_dir_that_cannot_be_written_fails_before_any_node_is_asked(tmp_path, monkeypatch):
+    """A full or read-only run dir used to be found at the round-0 checkpoint, after a whole evaluation."""
+    import errno
+
+    from flwr.app import Context, RecordDict
+
+    from server_app import app
+    from server_app.rundir import RunDirNotWritableError
+
+    import os as _os
+
+    def full_disk(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_os, "write", full_disk)
+    grid = InMemoryGrid({1: lambda content: initial_reply(START, {"partition-id": 0, "model": "m"})})
+    context = Context(1, 0, {}, RecordDict(), {"run-dir": str(tmp_path / "run"), "node-wait-timeout": 1.0})
+    with pytest.raises(RunDirNotWritableError, match="disk is full"):
+        app.run_federation(grid, context)
+    assert grid.sent == []

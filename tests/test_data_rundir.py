@@ -187,3 +187,198 @@ def test_adapter_directories_from_model_names_stay_inside_the_run(tmp_path, name
     target = run.adapter_dir(name).resolve()
     assert target.is_relative_to((run.path / "adapters").resolve()) and target != (run.path / "adapters").resolve()
     assert run.adapter_dir("") == run.path / "adapter"
+
+
+# A read-only or full run dir must be found before the first message to any node, not after round 0's evaluation.
+def _write_refused(run_dir, monkeypatch, refuse_errno: int) -> None:
+    """Make writes under ``run_dir`` fail with ``refuse_errno``: for real (chmod) when that stops this user, else
+    (root, which chmod does not stop) at the system call, so that the code above it runs as it would."""
+    import errno
+    import os
+
+    if refuse_errno == errno.EACCES:
+        run_dir.chmod(0o555)
+        try:
+            (run_dir / "probe-by-test").touch()
+        except PermissionError:
+            return  # chmod stops this user: the real mechanism
+        (run_dir / "probe-by-test").unlink()
+        run_dir.chmod(0o755)
+    real_open, real_mkdir = os.open, os.mkdir
+    under = str(run_dir)
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if str(path).startswith(under) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(refuse_errno, os.strerror(refuse_errno), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def refusing_mkdir(path, *args, **kwargs):
+        if str(path).startswith(under) and not os.path.isdir(path):
+            raise OSError(refuse_errno, os.strerror(refuse_errno), str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(os, "mkdir", refusing_mkdir)
+
+
+@pytest.mark.parametrize("which", ["run dir", "checkpoint dir"])
+def test_a_read_only_run_dir_is_refused_before_the_first_round(tmp_path, monkeypatch, which):
+    import errno
+
+    from server_app.rundir import RunDirNotWritableError
+
+    run = RunDirectory(tmp_path / "run")
+    run.check_writable()  # writable: passes, and leaves nothing behind but the checkpoint directory
+    assert sorted(p.name for p in run.path.rglob("*")) == ["checkpoint"]
+    directory = run.path if which == "run dir" else run.checkpoint_dir
+    _write_refused(directory, monkeypatch, errno.EACCES)
+    try:
+        with pytest.raises(RunDirNotWritableError, match="not writable") as raised:
+            run.check_writable()
+    finally:
+        directory.chmod(0o755)
+    message = str(raised.value)
+    assert str(directory) in message and "choose another run-dir" in message
+    assert isinstance(raised.value, OSError) and raised.value.errno == errno.EACCES
+    assert sorted(p.name for p in run.path.rglob("*")) == ["checkpoint"]
+
+
+def test_a_run_dir_that_cannot_be_created_names_it(tmp_path, monkeypatch):
+    import errno
+
+    from server_app.rundir import RunDirNotWritableError
+
+    _write_refused(tmp_path, monkeypatch, errno.EACCES)
+    try:
+        with pytest.raises(RunDirNotWritableError, match="choose another run-dir") as raised:
+            RunDirectory(tmp_path / "run")
+    finally:
+        tmp_path.chmod(0o755)
+    assert str(tmp_path / "run") in str(raised.value)
+
+
+@pytest.mark.parametrize("where", ["write", "fsync"])
+def test_a_full_disk_is_found_before_the_first_round(tmp_path, monkeypatch, where):
+    import errno
+    import os
+
+    from server_app.rundir import RunDirNotWritableError
+
+    run = RunDirectory(tmp_path / "run")
+    real = getattr(os, where)
+
+    def disk_full(fd, *args):
+        if os.path.realpath(f"/proc/self/fd/{fd}").startswith(str(run.path)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, *args)
+
+    monkeypatch.setattr(os, where, disk_full)
+    with pytest.raises(RunDirNotWritableError, match="free space") as raised:
+        run.check_writable()
+    assert str(run.path) in str(raised.value) and raised.value.errno == errno.ENOSPC
+    assert list(run.path.iterdir()) == []  # the probe is removed
+
+
+def test_metrics_that_cannot_be_appended_to_are_found_before_the_first_round(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from server_app.rundir import RunDirNotWritableError
+
+    run = RunDirectory(tmp_path / "run")
+    run.append_metrics([{"round": 0, "node": None}])
+    real_open = os.open
+
+    def read_only_file(path, flags, *args, **kwargs):
+        if str(path) == str(run.metrics_path) and flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_file)
+    with pytest.raises(RunDirNotWritableError, match="metrics.jsonl"):
+        run.check_writable()
+
+
+# A full disk while checkpointing keeps the previous checkpoint and leaves no partial file behind.
+def _three_rounds(tmp_path) -> RunDirectory:
+    run = RunDirectory(tmp_path / "run")
+    for server_round in (1, 2):
+        run.save_checkpoint(server_round, "fedavg", {"global": {"w": np.full(3, float(server_round), np.float32)}}, {})
+    return run
+
+
+def _on_disk(run: RunDirectory) -> list[str]:
+    return sorted(p.name for p in run.checkpoint_dir.iterdir())
+
+
+def _checkpoint_steps(run: RunDirectory, fail_at: int | None = None) -> int:
+    """Save round 3 counting its fsync/replace steps; with ``fail_at``, that step fails: the disk is full."""
+    import errno
+    import os
+
+    real_fsync, real_replace, count = os.fsync, os.replace, [0]
+
+    def step(real):
+        def counted(*args):
+            count[0] += 1
+            if count[0] - 1 == fail_at:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(*args)
+
+        return counted
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "fsync", step(real_fsync))
+        patch.setattr(os, "replace", step(real_replace))
+        run.save_checkpoint(3, "fedavg", {"global": {"w": np.zeros(3, np.float32)}}, {})
+    return count[0]
+
+
+def _partial_savez(handle, **arrays):
+    import errno
+
+    handle.write(b"PK\x03\x04 half an archive")
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_at_any_step_of_a_checkpoint_keeps_the_previous_round(tmp_path, monkeypatch):
+    """The disk fills up while the arrays are written, or at any later fsync or rename: the save fails with a
+    CheckpointError naming the round and directory, no partial file is left, the checkpoint is round 2 as it was (or
+    round 3 whole, where the failure came after it landed), and the next save works once there is space again."""
+    from server_app.rundir import CheckpointError
+
+    steps = _checkpoint_steps(_three_rounds(tmp_path / "count"))
+    assert steps >= 5  # the arrays and the json each fsynced and renamed, the directory fsynced
+    outcomes = []
+    for fail_at in ["savez", *range(steps)]:
+        run = _three_rounds(tmp_path / str(fail_at))
+        before = _on_disk(run)
+        with pytest.raises(CheckpointError, match="round 3") as raised:
+            if fail_at == "savez":
+                with monkeypatch.context() as patch:
+                    patch.setattr(np, "savez", _partial_savez)
+                    _checkpoint_steps(run)
+            else:
+                _checkpoint_steps(run, fail_at)
+        assert str(run.checkpoint_dir) in str(raised.value) and "free space" in str(raised.value), fail_at
+        assert isinstance(raised.value, OSError), fail_at
+        assert not [name for name in _on_disk(run) if "tmp" in name], fail_at  # no partial file left
+        meta, state = run.load_checkpoint()
+        assert meta["round"] in (2, 3), fail_at  # the previous round or the new one, never nothing
+        w = np.full(3, 2.0 if meta["round"] == 2 else 0.0, np.float32)
+        np.testing.assert_array_equal(state["global"]["w"], w, err_msg=str(fail_at))
+        outcomes.append(meta["round"])
+        next_round = meta["round"] + 1  # what a resumed run checkpoints next
+        if meta["round"] == 2:  # nothing changed: round 2 and the round before it (state.prev.json) as they were
+            assert _on_disk(run) == before, fail_at
+            (run.checkpoint_dir / "state.json").write_text("{")
+            meta, state = run.load_checkpoint()
+            assert meta["round"] == 1 and np.all(state["global"]["w"] == 1.0), fail_at
+            fallback = "state-00001.npz"  # and a torn state.json never replaces the whole round before it
+        else:  # the new round landed (the failure was after it): the round before it is the fallback
+            assert _on_disk(run) == ["state-00002.npz", "state-00003.npz", "state.json", "state.prev.json"], fail_at
+            fallback = "state-00003.npz"
+        run.save_checkpoint(next_round, "fedavg", {"global": {"w": np.zeros(3, np.float32)}}, {})  # space again
+        assert _on_disk(run) == [fallback, f"state-{next_round:05d}.npz", "state.json", "state.prev.json"], fail_at
+        assert run.load_checkpoint()[0]["round"] == next_round, fail_at
+    assert outcomes.count(2) >= steps  # only a failure after state.json was renamed (its fsync) keeps round 3

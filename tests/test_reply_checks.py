@@ -124,3 +124,36 @@ def test_clipping_scales_the_update_to_the_norm_and_keeps_its_direction():
     np.testing.assert_allclose(clipped["a"] - start["a"], [0.6, 0.8], rtol=1e-6)
     same, was = clip_update(far, start, clip_norm=10.0)
     assert not was and np.array_equal(same["a"], far["a"])
+
+
+# The whole reply is bounded, not only each value: before, 10,000 keys of 100,000-element lists (or of 4,096-character
+# strings) all passed, a reply the server then kept in memory, logged and wrote to metrics.jsonl.
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({f"k{i}": 0.5 for i in range(300)}, "305 keys .at most 256"),
+        ({"a" * 129: 1.0}, "129 characters .at most 128"),
+        ({7: 1.0}, "metric name must be a string"),
+        ({f"loss{i}": [0.5] * 60_000 for i in range(4)}, "more than 200000 list elements"),
+        ({f"note{i}": "x" * 4_000 for i in range(251)}, "more than 1000000 characters"),
+        ({f"notes{i}": ["x" * 4_000] * 100 for i in range(3)}, "more than 1000000 characters"),
+    ],
+)
+def test_a_reply_too_large_as_a_whole_is_refused_naming_the_limit(extra, says):
+    assert all(len(v) <= 100_000 for v in extra.values() if isinstance(v, list))  # each value alone is acceptable
+    with pytest.raises(ReplyError, match=says):
+        check_metrics({**GOOD_TRAIN, **extra}, TRAIN_METRICS)
+
+
+def test_a_large_but_legitimate_reply_still_passes():
+    """Per-example losses and token counts of 50,000 held-out examples, a strategy's own keys and notes."""
+    n = 50_000
+    good = {
+        **GOOD_EVAL,
+        "eval_examples": n,
+        "eval_example_loss": [1.25] * n,
+        "eval_example_tokens": [12] * n,
+        **{f"layer{i}.beta": [0.5] * 64 for i in range(200)},
+        "a" * 128: "x" * 4_096,
+    }
+    assert check_eval_metrics(good) == good
