@@ -93,13 +93,12 @@ def test_in_secure_mode_a_family_too_small_for_secagg_is_left_out_not_the_run():
 def test_a_run_dir_that_cannot_be_written_fails_before_any_node_is_asked(tmp_path, monkeypatch):
     """A full or read-only run dir used to be found at the round-0 checkpoint, after a whole evaluation."""
     import errno
+    import os as _os
 
     from flwr.app import Context, RecordDict
 
     from server_app import app
     from server_app.rundir import RunDirNotWritableError
-
-    import os as _os
 
     def full_disk(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
