@@ -26,7 +26,10 @@ exhaust the host:
 - request headers: at most 64 KiB (``MAX_HEADER_BYTES``): larger ones get 400 and the connection is closed;
 - ``--max-body-mb`` (64 MiB; Flower sends arrays in 5 MB chunks): a larger ``Content-Length`` gets 413 before any
   of the body is read, and a chunked body is counted as it arrives and refused (413) as soon as it passes the cap;
-- ``--body-timeout`` (120 s): the whole body must have arrived within this time of the headers, else 408;
+- ``--body-timeout`` (120 s): a body that sends no byte for this long, or is not complete within 10 times it
+  (``BODY_TOTAL_FACTOR``), gets 408 (a 4 MiB body takes 30-40 s on a 1 Mbit/s link with 5 % loss);
+- a response draining to a slow client is given time while it makes progress (a 4 MiB response at 1 Mbit/s takes
+  30 s); one that makes none for ``--header-timeout`` (a client that stopped reading) is cut;
 - idle keep-alive connections are closed after 5 s (``KEEP_ALIVE_S``);
 - a TLS connection reads into 32 KiB (``TLS_READ_BUFFER``), not asyncio's 256 KiB: with 2,000 silent sockets the
   gate holds 512 and its RSS grows by about 50 MB, and no further.
@@ -81,7 +84,8 @@ REFUSED = (
 
 MIB = 1024 * 1024
 MAX_BODY = 64 * MIB
-BODY_TIMEOUT = 120.0
+BODY_TIMEOUT = 120.0  # the longest a body may stall (no byte); the whole body: BODY_TOTAL_FACTOR times it
+BODY_TOTAL_FACTOR = 10
 MAX_CONNECTIONS = 512
 HEADER_TIMEOUT = 10.0
 MAX_HEADER_BYTES = 64 * 1024
@@ -131,16 +135,23 @@ async def _read_body(request: Request, peer: str, max_body: int, timeout: float)
 
     async def read() -> bytes:
         body = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream().__aiter__()
+        while True:
+            try:  # a slow link is not a stalled one: the limit is on silence, the total below
+                chunk = await asyncio.wait_for(chunks.__anext__(), timeout)
+            except StopAsyncIteration:
+                return bytes(body)
+            except asyncio.TimeoutError:
+                raise _refuse(408, "body stalled", peer, f"no body bytes for {timeout:g} s (408)") from None
             body += chunk
             if len(body) > max_body:
                 raise _refuse(413, f"body over {max_body} bytes", peer, f"body over {max_body} bytes (413)")
-        return bytes(body)
 
     try:
-        return await asyncio.wait_for(read(), timeout)
+        return await asyncio.wait_for(read(), BODY_TOTAL_FACTOR * timeout)
     except asyncio.TimeoutError:
-        raise _refuse(408, "body too slow", peer, f"body not complete within {timeout:g} s (408)") from None
+        total = BODY_TOTAL_FACTOR * timeout
+        raise _refuse(408, "body too slow", peer, f"body not complete within {total:g} s (408)") from None
 
 
 def gate_app(
@@ -203,6 +214,7 @@ class GateProtocol(H11Protocol):
         self.handshake: asyncio.Task[None] | None = None
         self.timed_out = False
         self.early: list[bytes] = []  # TLS: bytes that came with the handshake's end, before start_tls returned
+        self.unsent: int | None = None  # response bytes still buffered at the last deadline (progress check)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -259,6 +271,12 @@ class GateProtocol(H11Protocol):
             self.deadline.cancel()
         self.deadline = self.loop.call_later(self.header_timeout, self._deadline_passed)
 
+    def _unsent(self) -> int:
+        """Response bytes written by the app but not yet taken by the network (TLS and TCP buffers)."""
+        return sum(
+            t.get_write_buffer_size() for t in {self.transport, self.raw} if t is not None and not t.is_closing()
+        )
+
     def _deadline_passed(self) -> None:
         self.deadline = None
         if self.cycle is not None and not self.cycle.response_complete:
@@ -266,8 +284,17 @@ class GateProtocol(H11Protocol):
         transport = self.transport or self.raw
         if transport is None:
             return
+        # a response still draining to a slow client (4 MiB at 1 Mbit/s: 30 s) is not an idle connection: wait while
+        # it makes progress; one that stalls for a whole timeout (a client that stopped reading) is cut below
+        unsent = self._unsent()
+        if unsent and (self.unsent is None or unsent < self.unsent):
+            self.unsent = unsent
+            self._arm_deadline()
+            return
+        self.unsent = None
         if not transport.is_closing():  # (a close already under way, e.g. a TLS close_notify unanswered, is cut)
             stage = "TLS handshake" if self.transport is None else "request headers"
+            stage = "progress sending the response" if unsent else stage
             log.warning(
                 "closed %s: no complete %s within %g s (--header-timeout)", self.peer, stage, self.header_timeout
             )
@@ -282,6 +309,7 @@ class GateProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self.unsent = None
         self._arm_deadline()  # for the next request's headers, or to bound a close (the peer may never answer it)
 
     def connection_lost(self, exc: Exception | None) -> None:

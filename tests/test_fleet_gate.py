@@ -162,10 +162,15 @@ def test_a_chunked_body_under_the_cap_is_forwarded_whole():
     assert forwarded.content == b"".join(bytes([i]) * (1 << 20) for i in range(4))
 
 
-def test_a_body_too_slow_is_refused():
+def test_a_stalled_body_is_refused_a_slow_one_is_not():
+    """A slow link (a chunk every 0.1 s, 1 s in all, over the 0.3 s timeout) is served; a body that stalls for the
+    timeout, or trickles past 10 times it, is refused with 408 and never forwarded."""
     app, upstream = app_and_upstream(body_timeout=0.3)
-    response = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=10, size=10, delay=0.1), headers=AUTH)
-    assert response.status_code == 408 and upstream.requests == []
+    slow = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=10, size=10, delay=0.1), headers=AUTH)
+    assert slow.status_code == 200 and len(upstream.requests) == 1
+    stalled = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=2, size=10, delay=0.5), headers=AUTH)
+    endless = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=40, size=10, delay=0.1), headers=AUTH)
+    assert stalled.status_code == endless.status_code == 408 and len(upstream.requests) == 1
 
 
 def test_superlink_down_is_503():
@@ -272,6 +277,33 @@ def test_connections_without_complete_headers_are_closed_at_the_deadline(caplog)
         served.close()
     closed = [r.getMessage() for r in caplog.records if "--header-timeout" in r.getMessage()]
     assert len(closed) == 3 and all("127.0.0.1" in m for m in closed), caplog.text
+
+
+def test_a_large_response_to_a_slow_reader_is_not_cut_at_the_header_deadline():
+    """4 MiB answered to a client that reads 128 KiB every 0.1 s (3 s, three header timeouts): the connection is not
+    idle while the response drains, so it completes (it was cut at the deadline: a SuperNode on a 1 Mbit/s link
+    could not pull a 4 MiB message)."""
+    payload = bytes(range(256)) * (4 * 4096)
+    app = gate_app(
+        "superlink:9093", None, transport=httpx.MockTransport(lambda request: httpx.Response(200, content=payload))
+    )
+    with running_gate(app, header_timeout=1.0) as port:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: gate\r\nContent-Length: 1\r\n\r\nx")
+        sock.settimeout(5)
+        received = b""
+        while True:
+            time.sleep(0.1)
+            data = sock.recv(128 * 1024)
+            if not data:
+                break
+            received += data
+            if received.endswith(payload[-4096:]) and len(received) > len(payload):
+                break
+        sock.close()
+    assert received.startswith(b"HTTP/1.1 200") and received.endswith(payload), len(received)
 
 
 def test_oversized_headers_are_refused():
