@@ -146,7 +146,7 @@ def train_group_secure(
     try:
         if failure is not None:
             raise ReplyError(failure)
-        result.mean = _checked_mean(result, capture.mean or [], unmasked, group, cap, norm, cfg, limits)
+        result.mean = _checked_mean(result, capture.mean or [], unmasked, group, reference, cap, norm, cfg, limits)
         result.total_weight = float(sum(m["num_examples"] for m in capture.metrics.values()))
     except ReplyError as err:
         result.mean, result.contributors, result.aggregate_rejected = None, [], str(err)
@@ -161,6 +161,7 @@ def _checked_mean(
     mean: list[np.ndarray],
     unmasked: Unmasked,
     group: Group,
+    reference: dict[str, np.ndarray],
     cap: float,
     norm: float,
     cfg: SecAggSection,
@@ -176,7 +177,6 @@ def _checked_mean(
         raise ReplyError(problem)
     if len(mean) != 1:
         raise ReplyError(f"{len(mean)} arrays in the aggregate, expected one packed vector")
-    reference = group.reply_reference(group.members[0])
     arrays = unpack(mean[0], reference)
     check_arrays(arrays, reference)
     # each contributor's weight ratio exactly as SecAgg+ applied it (checked against the unmasked total above)
