@@ -113,3 +113,20 @@ def test_zero_padded_slot_average_equals_a_hand_computed_case():
     np.testing.assert_allclose(avg_a, [[(1 + 3 * 5) / 4] * 2, [7.0, 7.0]])
     np.testing.assert_allclose(avg_b, [[(2 + 3 * 6) / 4, 8.0]] * 2)
     np.testing.assert_allclose(slot_average(mean_a, np.array([0.25, 0.0]), axis=0)[1], 0.0)
+
+
+def test_min_size_keeps_a_spread_pair_together():
+    # three tight pairs and one spread pair: the best score splits the spread pair into two clients alone (k=5);
+    # with min_size=2 the best k without a cluster of one is taken: the four pairs
+    rng = np.random.default_rng(0)
+    centres = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
+    tight = np.concatenate([centres + rng.normal(0, 0.05, centres.shape) for _ in range(2)])
+    points = np.concatenate([tight, [[10.0, 8.5], [10.0, 11.5]]])
+    pairs = ["a", "b", "c", "a", "b", "c", "d", "d"]
+    alone = choose_clusters(points, k_max=6, seed=0)
+    assert np.bincount(alone.labels).min() == 1
+    paired = choose_clusters(points, k_max=6, seed=0, min_size=2)
+    assert paired.k == 4 and purity(paired.labels.tolist(), pairs) == 1.0
+    assert paired.scores == alone.scores and paired.scores[4] < max(alone.scores.values())
+    # no k without a cluster of one: the best of all, as with min_size=1
+    assert choose_clusters(points, k_max=6, seed=0, min_size=5).labels.tolist() == alone.labels.tolist()

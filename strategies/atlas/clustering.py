@@ -77,12 +77,18 @@ def _with_scores(points: np.ndarray, labels: np.ndarray, scores: dict[int, float
     return Clustering(labels, k, sil, db, ch, dict(scores or {}), _centroids(points, labels, k))
 
 
-def choose_clusters(points: np.ndarray, k_max: int, seed: int = 0) -> Clustering:
+def choose_clusters(points: np.ndarray, k_max: int, seed: int = 0, min_size: int = 1) -> Clustering:
     """k-means for every k in 2..min(k_max, n - 1), keeping the k with the highest ``combined_score`` (ties: the
-    smaller k). With fewer than 3 clients no k in that range exists: everyone is one cluster."""
+    smaller k) among those whose every cluster holds at least ``min_size`` clients; if no k does, the best of all.
+    With fewer than 3 clients no k in that range exists: everyone is one cluster.
+
+    ``min_size`` 2 keeps a client from being clustered alone when a k exists that pairs everyone: a cluster of one
+    trains alone, which is what clustering is meant to improve on (the secure path already merges clusters below 3).
+    """
     n = points.shape[0]
     candidates = range(2, min(k_max, n - 1) + 1)
     best: tuple[float, np.ndarray] | None = None
+    best_sized: tuple[float, np.ndarray] | None = None
     scores: dict[int, float] = {}
     for k in candidates:
         labels = _kmeans(points, k, seed)
@@ -92,9 +98,12 @@ def choose_clusters(points: np.ndarray, k_max: int, seed: int = 0) -> Clustering
         scores[k] = combined_score(*metrics)
         if best is None or scores[k] > best[0]:
             best = (scores[k], labels)
-    if best is None:
+        if np.bincount(labels).min() >= min_size and (best_sized is None or scores[k] > best_sized[0]):
+            best_sized = (scores[k], labels)
+    chosen = best_sized or best
+    if chosen is None:
         return _with_scores(points, np.zeros(n, dtype=np.int64))
-    return _with_scores(points, best[1], scores)
+    return _with_scores(points, chosen[1], scores)
 
 
 def fixed_clusters(points: np.ndarray, k: int, seed: int = 0) -> Clustering:

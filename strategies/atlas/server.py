@@ -139,7 +139,7 @@ class Atlas(FingerprintStrategy):
             return oracle_clusters(points, [self.reports[p].tasks for p in members])
         if self.cfg.k:
             return fixed_clusters(points, self.cfg.k, self.seed)
-        return choose_clusters(points, self.cfg.k_max, self.seed)
+        return choose_clusters(points, self.cfg.k_max, self.seed, self.cfg.min_cluster_size)
 
     def regroup(self, server_round: int, families: list[str]) -> None:
         for family in families:
