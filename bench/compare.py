@@ -130,9 +130,15 @@ def read_run(metrics_path: Path, label: str, seed: int) -> list[dict[str, Any]]:
 
 
 def clustering_scores(aggregate: dict[str, Any]) -> dict[str, float]:
-    """A clustering strategy's purity and silhouette in one aggregate row (ATLAS: ``atlas.<family>``), averaged
-    over its model families; empty where the row has none."""
-    families = [f for f in (aggregate.get("atlas") or {}).values() if f.get("purity") is not None]
+    """A clustering strategy's purity and silhouette in one aggregate row (ATLAS: ``atlas.<family>``; whichever
+    strategy reports per-family rows with a ``purity``), averaged over its model families; empty where none."""
+    families = [
+        row
+        for entry in aggregate.values()
+        if isinstance(entry, dict)
+        for row in entry.values()
+        if isinstance(row, dict) and row.get("purity") is not None and row.get("silhouette") is not None
+    ]
     if not families:
         return {}
     return {key: sum(float(f[key]) for f in families) / len(families) for key in ("purity", "silhouette")}
@@ -144,11 +150,12 @@ def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any
 
     Reuse compares these, not the override string: a run made before a default changed is not the same run.
     """
-    from common.config import RunConfig, pyproject_defaults
+    from common.config import pyproject_defaults
+    from strategies import load_run_config
     from strategies.registry import config_sections, strategy_spec
 
     defaults = pyproject_defaults(pyproject)
-    cfg = RunConfig.from_flat({**defaults, **parse_overrides(config, "run config")})
+    cfg = load_run_config({**defaults, **parse_overrides(config, "run config")})
     unread = set(config_sections()) - {kind.key for kind in strategy_spec(cfg.strategy).sections(cfg)}
     where = {"run-dir", "resume"}  # where the run writes, not what it computes
     return {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread and k not in where}

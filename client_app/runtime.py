@@ -22,7 +22,7 @@ from common.config import RunConfig
 from common.data import Example, client_data
 from common.logs import get_logger
 from common.model import load_base_model, load_tokenizer
-from strategies import StrategyClient, strategy_spec
+from strategies import StrategyClient, load_run_config, strategy_spec
 
 log = get_logger("tessera.client")
 
@@ -72,7 +72,8 @@ class LoadedModel:
 @dataclass
 class ClientRuntime:
     """Everything one virtual client needs for a message: its config, the shared model, its data split, its
-    strategy's client half and its kept state."""
+    strategy's client half and its kept state. A strategy's client half sees it only through the small protocol
+    ``strategies.client.ClientRuntime`` (mypy checks that this class satisfies it)."""
 
     cfg: RunConfig
     loaded: LoadedModel
@@ -126,7 +127,7 @@ class ClientRuntime:
 
 
 def get_runtime(context: Context) -> ClientRuntime:
-    cfg = RunConfig.from_flat(dict(context.run_config))
+    cfg = load_run_config(dict(context.run_config))
     spec = strategy_spec(cfg.strategy)
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
@@ -148,7 +149,7 @@ def get_runtime(context: Context) -> ClientRuntime:
 
 def declared_state_keys(context: Context) -> tuple[str, ...]:
     """The client-state keys the run's adapter kind and strategy keep (what a node's model worker carries back)."""
-    cfg = RunConfig.from_flat(dict(context.run_config))
+    cfg = load_run_config(dict(context.run_config))
     return strategy_spec(cfg.strategy).state_keys(cfg)
 
 

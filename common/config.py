@@ -9,7 +9,7 @@ silently fall back to a default.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -49,6 +49,8 @@ class Section(BaseModel):
 
 
 SectionT = TypeVar("SectionT", bound=Section)
+# What a run's strategy says of a validated config: the adapter kind it trains and the sections whose checks apply
+RunPlan = Callable[["RunConfig"], tuple[str, Sequence[type[Section]]]]
 
 
 def pyproject_defaults(pyproject: Path) -> dict[str, Any]:
@@ -270,6 +272,7 @@ class RunConfig(Section):
     secagg: SecAggSection = Field(default_factory=SecAggSection)
     robust: RobustSection = Field(default_factory=RobustSection)
     _sections: dict[str, Section] = PrivateAttr(default_factory=dict)
+    _adapter: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check_core(self) -> RunConfig:
@@ -291,10 +294,13 @@ class RunConfig(Section):
 
     @property
     def adapter(self) -> str:
-        """The adapter kind this run's strategy trains (``common.adapters.ADAPTER_KINDS``)."""
-        from strategies.registry import strategy_spec
-
-        return strategy_spec(self.strategy).adapter_for(self)
+        """The adapter kind this run's strategy trains (``common.adapters.ADAPTER_KINDS``), as the strategy's plan
+        said when the config was built (``strategies.load_run_config``)."""
+        if self._adapter is None:
+            raise ConfigError(
+                "strategy: this run config was built without its strategy (use strategies.load_run_config)"
+            )
+        return self._adapter
 
     def train_settings(self) -> TrainSection:
         """The local-training settings for this run's adapter (e.g. PQ-LoRA has its own learning rate)."""
@@ -313,8 +319,10 @@ class RunConfig(Section):
         return models[partition_id % len(models)] if models else self.model.name
 
     @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> RunConfig:
-        """Build from Flower's flattened run config (``{"train.local-steps": 8, ...}``)."""
+    def from_flat(
+        cls, flat: Mapping[str, Any], sections: Mapping[str, type[Section]] | None = None, plan: RunPlan | None = None
+    ) -> RunConfig:
+        """Build from Flower's flattened run config (``{"train.local-steps": 8, ...}``); see ``from_nested``."""
         nested: dict[str, Any] = {}
         for key, value in flat.items():
             head, _, tail = key.partition(".")
@@ -325,19 +333,22 @@ class RunConfig(Section):
                 section[tail] = value
             else:
                 nested[key] = value
-        return cls.from_nested(nested)
+        return cls.from_nested(nested, sections, plan)
 
     @classmethod
-    def from_nested(cls, nested: dict[str, Any]) -> RunConfig:
-        """Validate the core keys and every registered section; then the checks of the run's strategy and adapter."""
-        from strategies.registry import config_sections, strategy_spec
-
+    def from_nested(
+        cls, nested: Mapping[str, Any], sections: Mapping[str, type[Section]] | None = None, plan: RunPlan | None = None
+    ) -> RunConfig:
+        """Validate the core keys and the given ``sections`` (key -> class: the adapter kinds' and strategies'; a key
+        of none of them is an error); then ``plan`` names the run's adapter kind and the sections whose ``check``
+        must pass. The strategy registry supplies both (``strategies.load_run_config``): this layer knows no
+        strategy."""
         nested = dict(nested)
         errors: list[Mapping[str, Any]] = []
-        sections: dict[str, Section] = {}
-        for key, kind in config_sections().items():
+        validated: dict[str, Section] = {}
+        for key, kind in (sections or {}).items():
             try:
-                sections[key] = kind.model_validate(nested.pop(key, {}))
+                validated[key] = kind.model_validate(nested.pop(key, {}))
             except ValidationError as err:
                 errors += [{**item, "loc": (key, *item["loc"])} for item in err.errors()]
         try:
@@ -346,10 +357,12 @@ class RunConfig(Section):
             errors = list(err.errors()) + errors
         if errors:
             raise ConfigError(_describe(errors))
-        cfg._sections = sections
+        cfg._sections = validated
+        if plan is None:
+            return cfg
         try:
-            spec = strategy_spec(cfg.strategy)
-            for kind in spec.sections(cfg):
+            cfg._adapter, checked = plan(cfg)
+            for kind in checked:
                 cfg.section(kind).check(cfg)
         except ValueError as err:
             raise ConfigError(_describe([{"msg": str(err), "loc": (), "type": "value_error"}])) from None
@@ -357,10 +370,8 @@ class RunConfig(Section):
 
     def to_flat(self) -> dict[str, Any]:
         """The inverse of ``from_flat`` (lists joined by commas), e.g. to send to clients or to log."""
-        from strategies.registry import config_sections
-
         dumped = self.model_dump(by_alias=True)
-        dumped.update({key: self.section(kind).model_dump(by_alias=True) for key, kind in config_sections().items()})
+        dumped.update({key: section.model_dump(by_alias=True) for key, section in self._sections.items()})
         flat: dict[str, Any] = {}
         for key, value in dumped.items():
             if isinstance(value, dict):

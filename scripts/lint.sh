@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Lint (ruff: rules and formatting, lines of at most 120 characters) and type-check (mypy); settings in pyproject.toml.
+# Lint (ruff: rules and formatting, lines of at most 120 characters), type-check (mypy) and check the import layers
+# (import-linter's contracts: common < strategies < client_app | server_app < bench, strategies independent of each
+# other); settings in pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
 "$PY" -m mypy
-echo "[lint] ruff and mypy clean"
+"$PY" -c "import sys; from importlinter.cli import lint_imports_command; sys.argv[1:] = ['--no-cache']; lint_imports_command()"
+echo "[lint] ruff, mypy and the import contracts clean"

@@ -20,7 +20,7 @@ from common.config import ConfigError, RunConfig
 from common.logs import get_logger
 from common.records import metric_list, num_bytes
 from common.reply_checks import ReplyLimits
-from strategies import Strategy, strategy_spec
+from strategies import Strategy, load_run_config, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
 from .admission import Admission, initialise_strategy, log_left_out
@@ -39,7 +39,7 @@ def main(grid: Grid, context: Context) -> None:
 
 def run_federation(grid: Grid, context: Context) -> RunDirectory:
     try:
-        cfg = RunConfig.from_flat(dict(context.run_config))  # fails before round 1, naming the key
+        cfg = load_run_config(dict(context.run_config))  # fails before round 1, naming the key
     except ConfigError as err:
         log.error("%s", err)
         raise

@@ -29,11 +29,10 @@ from typing import Any, cast
 
 import numpy as np
 
+from common import plots
 from common.config import resolve_run_dir
 from common.logs import get_logger
 from strategies.base import Arrays
-
-from . import plots
 
 log = get_logger("tessera.server")
 
@@ -224,7 +223,7 @@ class RunDirectory:
             raise ValueError(f"resume: no readable checkpoint in {self.checkpoint_dir}: {problems}")
         return None
 
-    # plots (server_app/plots.py: what every run has; a strategy draws its own) ----------------------------------
+    # plots (common/plots.py: what every run has; a strategy draws its own) ----------------------------------
     def plot_eval_loss(self) -> Path:
         return plots.eval_loss(self.read_metrics(), self.path / "eval_loss.png")
 

@@ -3,7 +3,8 @@ through ``registry``; ``base`` and ``client`` are the two small bases, ``aggrega
 
 from .base import ClientInfo, FinalAdapter, Group, GroupResult, Strategy
 from .client import StrategyClient
-from .registry import REGISTRY, StrategySpec, register, strategy_spec
+from .registry import REGISTRY, load_run_config, register, strategy_spec
+from .spec import StrategySpec
 
 __all__ = [
     "REGISTRY",
@@ -14,6 +15,7 @@ __all__ = [
     "Strategy",
     "StrategyClient",
     "StrategySpec",
+    "load_run_config",
     "register",
     "strategy_spec",
 ]

@@ -9,14 +9,60 @@ it declares. This base is the client half of a strategy that adds nothing (FedAv
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from .base import WEIGHT_BY_EXAMPLES, WEIGHT_EQUALLY, Arrays
 
 if TYPE_CHECKING:
-    from client_app.runtime import ClientRuntime
-    from common.adapters import ClientState
+    from common.adapters import AdapterKind, ClientState
     from common.config import RunConfig
+    from common.data import Example
+
+
+class ProbeModel(Protocol):
+    """A frozen base model loaded for probing (SimGrad's signatures); its attached adapter, if any, is some
+    client's and must be bypassed with ``adapter.disabled()``."""
+
+    @property
+    def model(self) -> Any: ...  # the model with whatever adapter is attached (call it inside adapter.disabled())
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def adapter(self) -> AdapterKind | None: ...
+
+
+class ClientRuntime(Protocol):
+    """What a client half may read and call, and nothing else: the contract between a strategy and the ClientApp
+    (which implements it: ``client_app.runtime.ClientRuntime``).
+
+    Attributes:
+        cfg: this message's run config (ATLAS may swap in a client's own LoRA ranks: ``reattach``).
+        adapter: the run's adapter kind attached to the client's base model (``initial``: the run's starting
+            arrays; ``save``, ``outgoing``, ``received``, ``state_keys``; the kind's own API, e.g. PQ-LoRA's).
+        state: the client's kept arrays, under the keys its strategy and adapter kind declare.
+        partition_id: the client's data partition; node_config: its SuperNode's node config.
+        train: the client's training examples (the held-out split is not the strategy's to read).
+        tokenizer, model_name: of the client's base model.
+    """
+
+    cfg: RunConfig
+    adapter: AdapterKind
+    state: ClientState
+    partition_id: int
+    train: list[Example]
+    node_config: dict[str, Any]
+
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def model_name(self) -> str: ...
+    def reattach(self, cfg: RunConfig) -> None:
+        """Attach the run's adapter kind with ``cfg``'s settings (e.g. a client's own ranks) for this message."""
+        ...
+
+    def probe(self, name: str) -> ProbeModel:
+        """The frozen base model ``name``, loaded once per process like any other."""
+        ...
 
 
 class StrategyClient:

@@ -1,63 +1,22 @@
 """The one list of strategies: a name -> its server half, client half, adapter kind and config section.
 
-Config validation (``common.config``), the ServerApp, the ClientApp and the run directory reach a strategy only
-through ``strategy_spec``. Adding a strategy is one package under ``strategies/`` and one ``register`` call here
-(see the README's "Adding a strategy").
+The run config is assembled here (``load_run_config``: the core keys of ``common.config`` with every adapter kind's
+and strategy's section, checked for the run's strategy), so the layer below knows no strategy. The ServerApp, the
+ClientApp and the run directory reach a strategy only through ``strategy_spec``. Adding a strategy is one package
+under ``strategies/`` and one ``register`` call here (see "Adding a strategy" in the docs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .base import Strategy
-from .client import StrategyClient
+from .spec import StrategySpec
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from typing import Any
+
     from common.config import RunConfig, Section
-
-
-@dataclass(frozen=True)
-class StrategySpec:
-    """Everything the system needs to run one strategy.
-
-    Attributes:
-        name: the run-config value (``strategy = "..."``).
-        server: the server half (``Strategy`` subclass, built with ``from_config``).
-        client: the client half (``StrategyClient`` subclass).
-        adapter: the adapter kind its clients train (a key of ``common.adapters.ADAPTER_KINDS``).
-        section: its run-config section (``section.key`` is the prefix of its keys), or None.
-        adapter_from: for a strategy that trains any kind (the local-only baseline), the kind a run config picks;
-            None: always ``adapter``.
-        shared_sections: sections it shares with other strategies (ATLAS's and MIRA's ``fingerprint.*``).
-    """
-
-    name: str
-    server: type[Strategy]
-    client: type[StrategyClient]
-    adapter: str
-    section: type[Section] | None = None
-    adapter_from: Callable[[RunConfig], str] | None = None
-    shared_sections: tuple[type[Section], ...] = ()
-
-    def adapter_for(self, cfg: RunConfig) -> str:
-        """The adapter kind a run of this strategy trains."""
-        return self.adapter if self.adapter_from is None else self.adapter_from(cfg)
-
-    def sections(self, cfg: RunConfig) -> list[type[Section]]:
-        """The config sections a run of this strategy reads beyond the core: its adapter kind's and its own."""
-        from common.adapters import adapter_kind
-
-        kind = adapter_kind(self.adapter_for(cfg))
-        own = [self.section] if self.section is not None else []
-        return [kind.section, *kind.extra_sections, *own, *self.shared_sections]
-
-    def state_keys(self, cfg: RunConfig) -> tuple[str, ...]:
-        """Every client-state key a client of this strategy keeps (adapter kind's + client half's)."""
-        from common.adapters import adapter_kind
-
-        return (*adapter_kind(self.adapter_for(cfg)).state_keys, *self.client.state_keys)
 
 
 REGISTRY: dict[str, StrategySpec] = {}
@@ -109,6 +68,22 @@ def config_sections() -> dict[str, type[Section]]:
     sections.update({s.section.key: s.section for s in REGISTRY.values() if s.section is not None})
     sections.update({shared.key: shared for s in REGISTRY.values() for shared in s.shared_sections})
     return sections
+
+
+def run_plan(cfg: RunConfig) -> tuple[str, Sequence[type[Section]]]:
+    """What the run's strategy says of a validated config: its adapter kind and the sections it reads (whose
+    ``check`` must pass). ValueError naming the ``strategy`` key for a name nobody registered."""
+    spec = strategy_spec(cfg.strategy)
+    return spec.adapter_for(cfg), spec.sections(cfg)
+
+
+def load_run_config(flat: Mapping[str, Any]) -> RunConfig:
+    """The run config of Flower's flattened run config (``{"train.local-steps": 8, ...}``): the core keys and every
+    registered section validated, then the checks of the run's strategy and adapter (``ConfigError`` naming every
+    bad key)."""
+    from common.config import RunConfig
+
+    return RunConfig.from_flat(flat, config_sections(), run_plan)
 
 
 def _register_builtin() -> None:

@@ -11,18 +11,17 @@ from client_app.runtime import ClientRuntime, LoadedModel
 from common.adapters import ClientState, adapter_kind
 from common.adapters.lora import LoraAdapter
 from common.adapters.lora import ranks as lora_ranks
-from common.config import RunConfig
 from common.data import Example
 from common.model import load_base_model, load_tokenizer
 from common.training import train_round
-from strategies import strategy_spec
+from strategies import load_run_config, strategy_spec
 from strategies.atlas import AtlasClient, AtlasSection
 
 EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8)]
 
 
 def runtime(tiny_llama_dir, node_config=None) -> ClientRuntime:
-    cfg = RunConfig.from_flat({"strategy": "atlas", "lora.r": 4, "lora.alpha": 8, "atlas.memory-mb": "3"})
+    cfg = load_run_config({"strategy": "atlas", "lora.r": 4, "lora.alpha": 8, "atlas.memory-mb": "3"})
     loaded = LoadedModel(str(tiny_llama_dir), load_base_model(str(tiny_llama_dir), "fp32", "cpu"), None, 1)
     loaded.tokenizer = load_tokenizer(str(tiny_llama_dir))
     adapter = loaded.attach(adapter_kind(cfg.adapter), cfg)

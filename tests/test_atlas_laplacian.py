@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_atlas_strategy import PEFT, SHAPES, clients, lora_initial, report, trained
 
-from strategies import ClientInfo, GroupResult
+from strategies import ClientInfo, GroupResult, load_run_config
 from strategies.atlas import Atlas, AtlasSection
 from strategies.fingerprint import FingerprintReport, FingerprintSection
 
@@ -101,12 +101,11 @@ def test_the_client_keeps_its_own_adapter_and_steps_only_toward_a_neighbour_term
     from flwr.app import RecordDict
 
     from common.adapters import ClientState
-    from common.config import RunConfig
     from strategies.atlas.client import OWN_ADAPTER, AtlasClient
 
     initial = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     for eta in (0.0, 0.25):
-        cfg = RunConfig.from_flat({"strategy": "atlas", "atlas.laplacian-eta": eta})
+        cfg = load_run_config({"strategy": "atlas", "atlas.laplacian-eta": eta})
         rt = SimpleNamespace(state=ClientState(RecordDict(), (OWN_ADAPTER,)), adapter=SimpleNamespace(initial=initial))
         client = AtlasClient(cfg)
         client.neighbour_term = False
@@ -134,12 +133,12 @@ def test_the_adjacency_figure_is_drawn_in_cluster_order(tmp_path):
 
 
 def test_laplacian_keys_are_validated():
-    from common.config import ConfigError, RunConfig
+    from common.config import ConfigError
 
     with pytest.raises(ConfigError, match="atlas.laplacian-eta"):
-        RunConfig.from_flat({"strategy": "atlas", "atlas.laplacian-eta": 1.5})
+        load_run_config({"strategy": "atlas", "atlas.laplacian-eta": 1.5})
     with pytest.raises(ConfigError, match="atlas.laplacian-alpha"):
-        RunConfig.from_flat({"strategy": "atlas", "atlas.laplacian-alpha": "wide"})
+        load_run_config({"strategy": "atlas", "atlas.laplacian-alpha": "wide"})
 
 
 def test_clusters_with_different_wire_ranks_mix_only_their_own_shapes():

@@ -4,7 +4,7 @@ clusters merged under SecAgg+, oracle clustering, model families apart, resume k
 import numpy as np
 import pytest
 
-from strategies import ClientInfo, GroupResult
+from strategies import ClientInfo, GroupResult, load_run_config
 from strategies.atlas import Atlas, AtlasSection
 from strategies.fingerprint import FingerprintReport, FingerprintSection
 
@@ -99,10 +99,10 @@ def test_recluster_every_asks_again():
 
 
 def test_k_larger_than_k_max_is_refused():
-    from common.config import ConfigError, RunConfig
+    from common.config import ConfigError
 
     with pytest.raises(ConfigError, match="atlas.k"):
-        RunConfig.from_flat({"strategy": "atlas", "atlas.k": 7})
+        load_run_config({"strategy": "atlas", "atlas.k": 7})
 
 
 # ---- per-layer ranks under memory budgets -------------------------------------------------------------------

@@ -8,10 +8,10 @@ from flwr.app import Context, RecordDict
 
 from common.adapters import ClientState, UndeclaredStateError
 from common.adapters.pqlora import PQLoraAdapter, get_pq_arrays
-from common.config import RunConfig
 from common.data import Example
 from common.model import load_base_model, load_tokenizer
 from common.training import train_round
+from strategies import load_run_config
 
 EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8)]
 
@@ -23,7 +23,7 @@ def context(node_id: int) -> ClientState:
 
 @pytest.fixture()
 def adapter(tiny_llama_dir):
-    cfg = RunConfig.from_flat({"strategy": "simgrad", "pqlora.r": 2, "pqlora.blocks": 2, "simgrad.route-budget": 1})
+    cfg = load_run_config({"strategy": "simgrad", "pqlora.r": 2, "pqlora.blocks": 2, "simgrad.route-budget": 1})
     return (
         PQLoraAdapter(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), cfg),
         load_tokenizer(str(tiny_llama_dir)),
@@ -97,7 +97,7 @@ def test_adapters_detach_back_to_the_untouched_base(tiny_llama_dir):
     with torch.no_grad():
         before = base(tokens).logits
     for flat in ({"lora.r": 2}, {"strategy": "simgrad", "pqlora.r": 2, "pqlora.blocks": 2, "simgrad.route-budget": 1}):
-        cfg = RunConfig.from_flat(flat)
+        cfg = load_run_config(flat)
         kind = PQLoraAdapter if cfg.adapter == "pqlora" else LoraAdapter
         attached = kind(base, cfg)
         with torch.no_grad():  # a non-zero adapter changes the output while attached

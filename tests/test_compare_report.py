@@ -34,7 +34,7 @@ from bench.report import (
     worst,
     worst_by_round,
 )
-from common.config import RunConfig
+from strategies import load_run_config
 
 
 def rows_of(strategy: str, seed: int, losses_by_round: dict[int, list[float]], bytes_up: int = 0) -> list[dict]:
@@ -123,7 +123,7 @@ def test_strategy_items_and_overrides_become_one_run_config():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_is_a_valid_run_config(name):
     chosen = preset(name)
-    cfg = RunConfig.from_flat({**chosen.overrides, "strategy": "simgrad", "num-server-rounds": chosen.rounds})
+    cfg = load_run_config({**chosen.overrides, "strategy": "simgrad", "num-server-rounds": chosen.rounds})
     assert cfg.data.validation_fraction > 0  # tuning never reads the reported split
     with pytest.raises(ValueError, match="not a preset"):
         preset("tasks-everything")

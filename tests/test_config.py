@@ -2,12 +2,13 @@ import pytest
 from conftest import ROOT
 
 from common.adapters.lora import LoraSection
-from common.config import ConfigError, RunConfig, pyproject_defaults
+from common.config import ConfigError, pyproject_defaults
+from strategies import load_run_config
 
 
 def test_pyproject_defaults_validate_and_cover_every_key():
     flat = pyproject_defaults(ROOT / "pyproject.toml")
-    cfg = RunConfig.from_flat(flat)
+    cfg = load_run_config(flat)
     # pyproject lists every key of the model, and the values round-trip
     assert set(flat) == set(cfg.to_flat())
     assert cfg.to_flat() == {k: (float(v) if isinstance(cfg.to_flat()[k], float) else v) for k, v in flat.items()}
@@ -39,31 +40,32 @@ def test_pyproject_defaults_validate_and_cover_every_key():
 )
 def test_invalid_values_name_their_key(override, key):
     with pytest.raises(ConfigError) as err:
-        RunConfig.from_flat(override)
+        load_run_config(override)
     assert f"{key}:" in str(err.value)
 
 
 def test_csv_lists_and_nesting():
-    cfg = RunConfig.from_flat({"lora.target-modules": "q_proj, k_proj ,v_proj", "data.tasks": "boolq"})
+    cfg = load_run_config({"lora.target-modules": "q_proj, k_proj ,v_proj", "data.tasks": "boolq"})
     assert cfg.section(LoraSection).target_modules == ["q_proj", "k_proj", "v_proj"]
     assert cfg.data.tasks == ["boolq"]
     with pytest.raises(ConfigError, match="lora"):
-        RunConfig.from_flat({"lora": 3, "lora.r": 4})
+        load_run_config({"lora": 3, "lora.r": 4})
 
 
 def test_simgrad_trains_pqlora_and_models_cycle_over_partitions():
     models = {"model.partition-models": "org/a, org/b", "pqlora.learning-rate": 0.02}
-    cfg = RunConfig.from_flat({"strategy": "simgrad", **models})
-    assert cfg.adapter == "pqlora-dual" and RunConfig().adapter == "lora"  # SimGrad's default local path: a LoRA
+    cfg = load_run_config({"strategy": "simgrad", **models})
+    assert cfg.adapter == "pqlora-dual"  # SimGrad's default local path: a LoRA beside the PQ path
+    assert load_run_config({}).adapter == "lora"
     assert [cfg.model_for_partition(i) for i in range(4)] == ["org/a", "org/b", "org/a", "org/b"]
-    assert RunConfig().model_for_partition(3) == RunConfig().model.name
-    assert cfg.train_settings().learning_rate == 0.02 and RunConfig().train_settings().learning_rate == 1e-3
+    assert load_run_config({}).model_for_partition(3) == load_run_config({}).model.name
+    assert cfg.train_settings().learning_rate == 0.02 and load_run_config({}).train_settings().learning_rate == 1e-3
 
 
 @pytest.mark.parametrize("value", [1e-309, 0.0, float("nan"), float("inf"), 1e6])
 def test_simgrad_temperature_is_finite_and_not_tiny(value):
     with pytest.raises(ConfigError, match="simgrad.temperature"):
-        RunConfig.from_flat({"strategy": "simgrad", "simgrad.temperature": value})
+        load_run_config({"strategy": "simgrad", "simgrad.temperature": value})
 
 
 @pytest.mark.parametrize(
@@ -80,13 +82,13 @@ def test_simgrad_temperature_is_finite_and_not_tiny(value):
 )
 def test_secagg_parameters_flower_would_refuse_late_are_refused_up_front(key, value):
     with pytest.raises(ConfigError, match=key):
-        RunConfig.from_flat({"secure": True, "min-train-replies": 3, key: value})
+        load_run_config({"secure": True, "min-train-replies": 3, key: value})
 
 
 def test_a_reconstruction_threshold_must_be_below_the_number_of_shares():
     with pytest.raises(ConfigError, match="reconstruction-threshold"):
-        RunConfig.from_flat({"secagg.num-shares": 4, "secagg.reconstruction-threshold": 100})
-    cfg = RunConfig.from_flat({"secagg.num-shares": 4, "secagg.reconstruction-threshold": 3})
+        load_run_config({"secagg.num-shares": 4, "secagg.reconstruction-threshold": 100})
+    cfg = load_run_config({"secagg.num-shares": 4, "secagg.reconstruction-threshold": 3})
     assert (cfg.secagg.num_shares, cfg.secagg.reconstruction_threshold) == (4, 3)
 
 
@@ -103,7 +105,7 @@ def test_a_reconstruction_threshold_must_be_below_the_number_of_shares():
 )
 def test_a_model_task_or_source_that_does_not_exist_is_refused_before_round_one(flat, key, says):
     with pytest.raises(ConfigError, match=key) as err:
-        RunConfig.from_flat(flat)
+        load_run_config(flat)
     assert says in str(err.value)
 
 
@@ -111,4 +113,4 @@ def test_models_that_may_exist_are_accepted(tmp_path):
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     for name in ("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", str(checkpoint)):
-        assert RunConfig.from_flat({"model.name": name}).model.name == name
+        assert load_run_config({"model.name": name}).model.name == name

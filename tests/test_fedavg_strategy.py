@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from strategies import ClientInfo, GroupResult
+from strategies import ClientInfo, GroupResult, load_run_config
 from strategies.fedavg import FedAvg
 
 
@@ -96,10 +96,9 @@ def test_secure_fedavg_refuses_model_families_under_three_before_round_one():
 
 
 def test_resuming_with_another_lora_rank_or_model_is_refused_naming_the_key():
-    from common.config import RunConfig
     from server_app.app import _checkpoint_meta, check_resumable
 
-    old_cfg = RunConfig.from_flat({"lora.r": 2})
+    old_cfg = load_run_config({"lora.r": 2})
     saved = FedAvg()
     saved.initialise({1: ClientInfo(1, 0, "smol", adapter(0.0))})
     meta = {"strategy": "fedavg", "round": 1, **_checkpoint_meta(old_cfg, [1])}
@@ -109,7 +108,7 @@ def test_resuming_with_another_lora_rank_or_model_is_refused_naming_the_key():
     now = FedAvg()
     now.initialise({1: ClientInfo(1, 0, "smol", wider)})
     with pytest.raises(ValueError, match=r"lora.r: 2 -> 4.*adapter shapes differ"):
-        check_resumable(RunConfig.from_flat({"lora.r": 4}), now, meta, state, "ckpt")
+        check_resumable(load_run_config({"lora.r": 4}), now, meta, state, "ckpt")
     with pytest.raises(ValueError, match=r"model.name: 'smollm2-135m-instruct' -> 'org/other'"):
-        check_resumable(RunConfig.from_flat({"lora.r": 2, "model.name": "org/other"}), saved, meta, state, "ckpt")
-    check_resumable(RunConfig.from_flat({"lora.r": 2, "train.learning-rate": 0.01}), saved, meta, state, "ckpt")
+        check_resumable(load_run_config({"lora.r": 2, "model.name": "org/other"}), saved, meta, state, "ckpt")
+    check_resumable(load_run_config({"lora.r": 2, "train.learning-rate": 0.01}), saved, meta, state, "ckpt")

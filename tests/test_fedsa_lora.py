@@ -17,7 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
 from common.adapters import ClientState
-from common.config import RunConfig, SecAggSection
+from common.config import SecAggSection
 from common.records import (
     FITRES_ARRAYS,
     QUERY_INITIAL,
@@ -33,7 +33,7 @@ from common.records import (
     train_reply,
 )
 from common.reply_checks import IDENTITY_METRICS, ReplyLimits
-from strategies import ClientInfo, GroupResult, strategy_spec
+from strategies import ClientInfo, GroupResult, load_run_config, strategy_spec
 from strategies.aggregation import secagg_error_bound, secagg_weights
 from strategies.base import SECAGG_MAX_WEIGHT
 from strategies.fedsa_lora import OWN_B, FedSALora, FedSALoraClient
@@ -168,7 +168,7 @@ def test_resume_restores_each_familys_global_a():
 
 
 def test_the_registry_entry_trains_lora_and_declares_the_kept_b():
-    cfg = RunConfig.from_flat({"strategy": "fedsa-lora", "lora.r": 4})
+    cfg = load_run_config({"strategy": "fedsa-lora", "lora.r": 4})
     spec = strategy_spec("fedsa-lora")
     assert cfg.adapter == "lora" and spec.server is FedSALora and spec.client is FedSALoraClient
     assert spec.state_keys(cfg) == (OWN_B,)
@@ -270,7 +270,7 @@ def both_modes_in_process(tmp_path: str) -> None:
 
     out = Path(tmp_path)
     client = ClientApp(mods=[secure_aggregation_mod])
-    half = FedSALoraClient(RunConfig.from_flat({"strategy": "fedsa-lora"}))
+    half = FedSALoraClient(load_run_config({"strategy": "fedsa-lora"}))
 
     @client.query()
     def query(msg: Message, context: Context) -> Message:

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from test_toy_strategy import config, run
 
-from common.config import ConfigError, DataSection, RunConfig
+from common.config import ConfigError, DataSection
 from common.data import client_data
 from common.records import read_sent_adapter, read_train_instruction, train_instruction
-from strategies import ClientInfo, strategy_spec
+from strategies import ClientInfo, load_run_config, strategy_spec
 from strategies.local import LocalOnly
 
 
@@ -36,11 +36,11 @@ def test_local_sends_nothing_and_groups_each_client_alone():
 
 @pytest.mark.parametrize(("adapter", "keys"), [("lora", ("local.adapter",)), ("pqlora", ("pqlora.local",))])
 def test_the_config_picks_the_adapter_kind(adapter, keys):
-    cfg = RunConfig.from_flat({"strategy": "local", "local.adapter": adapter})
+    cfg = load_run_config({"strategy": "local", "local.adapter": adapter})
     assert cfg.adapter == adapter
     assert set(keys) <= set(strategy_spec("local").state_keys(cfg))
     with pytest.raises(ConfigError, match="local.adapter"):
-        RunConfig.from_flat({"strategy": "local", "local.adapter": "prefix"})
+        load_run_config({"strategy": "local", "local.adapter": "prefix"})
 
 
 def test_a_validation_split_leaves_training_alone_and_never_overlaps_the_test_split():
@@ -53,7 +53,7 @@ def test_a_validation_split_leaves_training_alone_and_never_overlaps_the_test_sp
     prompts = {e.prompt for e in validation}
     assert not prompts & {e.prompt for e in test} and not prompts & {e.prompt for e in train}
     with pytest.raises(ConfigError, match="data.eval-split"):
-        RunConfig.from_flat({"data.eval-split": "validation"})
+        load_run_config({"data.eval-split": "validation"})
 
 
 def _rows(run_dir: Path) -> list[dict]:

@@ -4,14 +4,14 @@ client-side form of the step from the server's neighbour term (exact in plaintex
 import numpy as np
 import pytest
 
-from strategies.mira.laplacian import (
+from strategies.aggregation import mix_group_means
+from strategies.fingerprint.laplacian import (
     apply_step,
     laplacian_step,
     median_alpha,
     normalised_adjacency,
     rbf_adjacency,
 )
-from strategies.simgrad.relevance import mix_group_means
 
 rng = np.random.default_rng(0)
 FINGERPRINTS = rng.normal(size=(5, 7))

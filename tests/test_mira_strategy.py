@@ -4,11 +4,11 @@ client's step, eta = 0, model families kept apart, bad fingerprints left out, re
 import numpy as np
 import pytest
 
-from strategies import ClientInfo, GroupResult
+from strategies import ClientInfo, GroupResult, load_run_config
+from strategies.aggregation import group_by_relevance, mix_group_means
 from strategies.fingerprint import FingerprintReport, FingerprintSection, read_fingerprint
+from strategies.fingerprint.laplacian import apply_step, laplacian_step, normalised_adjacency
 from strategies.mira import Mira, MiraSection
-from strategies.mira.laplacian import apply_step, laplacian_step, normalised_adjacency
-from strategies.simgrad.relevance import group_by_relevance, mix_group_means
 
 SHAPES = {"a": (3, 2), "b": (4,)}
 
@@ -131,11 +131,10 @@ def test_eta_zero_clients_train_only_their_own_adapter():
     from flwr.app import RecordDict
 
     from common.adapters import ClientState
-    from common.config import RunConfig
     from strategies.mira.client import OWN_ADAPTER, MiraClient
 
     def client(eta):
-        cfg = RunConfig.from_flat({"strategy": "mira", "mira.eta": eta})
+        cfg = load_run_config({"strategy": "mira", "mira.eta": eta})
         state = ClientState(RecordDict(), (OWN_ADAPTER,))
         rt = SimpleNamespace(state=state, adapter=SimpleNamespace(initial={k: v.copy() for k, v in initial().items()}))
         return MiraClient(cfg), rt

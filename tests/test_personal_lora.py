@@ -12,11 +12,11 @@ from flwr.app import Context, RecordDict
 from common.adapters import ClientState, adapter_kind
 from common.adapters.personal import PERSONAL_STATE, get_personal_arrays, set_personal_arrays
 from common.adapters.pqlora import get_pq_arrays
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError
 from common.data import Example
 from common.model import load_base_model, load_tokenizer
 from common.training import train_round
-from strategies import strategy_spec
+from strategies import load_run_config, strategy_spec
 
 EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8)]
 CONFIGS = {
@@ -31,7 +31,7 @@ def node_state(node_id: int, keys: tuple[str, ...]) -> ClientState:
 
 
 def build(tiny_llama_dir, flat: dict):
-    cfg = RunConfig.from_flat(flat)
+    cfg = load_run_config(flat)
     kind = adapter_kind(cfg.adapter)
     adapter = kind(load_base_model(str(tiny_llama_dir), "fp32", "cpu"), cfg)
     return adapter, cfg, strategy_spec(cfg.strategy).state_keys(cfg)
@@ -113,13 +113,13 @@ def test_pq_dual_starts_the_pq_path_from_what_the_server_sent(tiny_llama_dir):
 
 
 def test_the_config_picks_the_kind_and_names_bad_keys():
-    assert RunConfig.from_flat({"strategy": "simgrad"}).adapter == "pqlora-dual"  # the default local path
-    assert RunConfig.from_flat({"strategy": "simgrad", "simgrad.local-path": "pq"}).adapter == "pqlora"
-    assert RunConfig.from_flat({"strategy": "fedavg-dual"}).adapter == "lora-dual"
+    assert load_run_config({"strategy": "simgrad"}).adapter == "pqlora-dual"  # the default local path
+    assert load_run_config({"strategy": "simgrad", "simgrad.local-path": "pq"}).adapter == "pqlora"
+    assert load_run_config({"strategy": "fedavg-dual"}).adapter == "lora-dual"
     with pytest.raises(ConfigError, match="simgrad.local-path"):
-        RunConfig.from_flat({"strategy": "simgrad", "simgrad.local-path": "prefix"})
+        load_run_config({"strategy": "simgrad", "simgrad.local-path": "prefix"})
     with pytest.raises(ConfigError, match="personal.r"):
-        RunConfig.from_flat({"strategy": "fedavg-dual", "personal.r": 0})
+        load_run_config({"strategy": "fedavg-dual", "personal.r": 0})
 
 
 def _rows(run_dir) -> list[dict]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server_app.plots import client_key, client_keys, client_label, eval_loss
+from common.plots import client_key, client_keys, client_label, eval_loss
 
 
 def resumed_rows() -> list[dict]:

@@ -4,12 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from strategies.aggregation import group_by_relevance, group_weights, mix_group_means, personalised_mix
 from strategies.simgrad.relevance import (
     cosine_relevance,
-    group_by_relevance,
-    group_weights,
-    mix_group_means,
-    personalised_mix,
     relevance_weights,
     route_blocks,
     row_softmax,

@@ -16,8 +16,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
-from common.config import ConfigError, RunConfig, SecAggSection
-from strategies import REGISTRY
+from common.config import ConfigError, SecAggSection
+from strategies import REGISTRY, load_run_config
 from strategies.aggregation import secagg_error_bound, secagg_weights, weighted_mean
 
 
@@ -109,9 +109,9 @@ def final_and_expected(run_dir: Path) -> tuple[dict, dict, list[float]]:
 
 
 def test_the_toy_config_section_is_validated(toymean):
-    assert RunConfig.from_flat({"strategy": "toymean", "toymean.step": 0.5}).section(toymean.ToyMeanSection).step == 0.5
+    assert load_run_config({"strategy": "toymean", "toymean.step": 0.5}).section(toymean.ToyMeanSection).step == 0.5
     with pytest.raises(ConfigError, match="toymean.step"):
-        RunConfig.from_flat({"strategy": "toymean", "toymean.step": 2})
+        load_run_config({"strategy": "toymean", "toymean.step": 2})
 
 
 @pytest.mark.e2e

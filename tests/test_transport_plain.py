@@ -10,6 +10,7 @@ from flwr.app import Error, Message, RecordDict
 from common.records import read_train_instruction, report_reply, train_reply
 from common.reply_checks import ReplyLimits
 from server_app.transport import collect_reports, train_groups_plain
+from strategies import load_run_config
 from strategies.aggregation import weighted_mean
 from strategies.base import ClientInfo, Group
 from strategies.simgrad import SimGrad, SimGradSection
@@ -174,7 +175,6 @@ def signature_report(signature, salience):
 def test_a_late_node_that_does_not_answer_is_asked_once():
     """A node that connects mid-run is asked for its identity before it trains; one that stays silent is not
     asked again every round (each ask waits up to round-timeout)."""
-    from common.config import RunConfig
     from common.records import initial_reply
     from server_app.app import _admit_new_nodes
     from strategies.fedavg import FedAvg
@@ -185,7 +185,7 @@ def test_a_late_node_that_does_not_answer_is_asked_once():
     strategy, clients, refused = FedAvg(), {}, set()
     strategy.initialise({1: ClientInfo(1, 0, "m", START)})
     clients[1] = ClientInfo(1, 0, "m", START)
-    cfg = RunConfig.from_flat({"round-timeout": 1.0})
+    cfg = load_run_config({"round-timeout": 1.0})
     assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [1, 3, 4]) == [1, 3]
     assert refused == {4} and clients[3].partition_id == 2
     asked = len(grid.sent)
@@ -307,7 +307,6 @@ def test_a_weight_beyond_the_instruction_is_capped_and_clipping_is_reported():
 
 
 def test_a_second_node_claiming_a_partition_is_left_out_not_the_run():
-    from common.config import RunConfig
     from common.records import initial_reply
     from server_app.admission import Admission
     from server_app.app import _admit_new_nodes
@@ -325,6 +324,6 @@ def test_a_second_node_claiming_a_partition_is_left_out_not_the_run():
     strategy, refused = FedAvg(), set()
     clients = {1: ClientInfo(1, 0, "m", START)}
     strategy.initialise(dict(clients))
-    cfg = RunConfig.from_flat({"round-timeout": 1.0})
+    cfg = load_run_config({"round-timeout": 1.0})
     assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [1, 7]) == [1] and refused == {7}
     assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [8]) == [8] and clients[8].partition_id == 0

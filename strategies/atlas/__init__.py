@@ -6,7 +6,7 @@ is the shared fingerprint report: ``strategies.fingerprint``); ``config.py`` its
 """
 
 from ..fingerprint import FingerprintSection
-from ..registry import StrategySpec
+from ..spec import StrategySpec
 from .client import AtlasClient
 from .config import AtlasSection
 from .server import Atlas

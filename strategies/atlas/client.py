@@ -21,13 +21,12 @@ from common.adapters.lora import LoraSection
 from common.adapters.lora import ranks as lora_ranks
 
 from ..base import Arrays
-from ..client import save_whole_adapter
+from ..client import ClientRuntime, save_whole_adapter
 from ..fingerprint import FingerprintClient
-from ..mira.client import laplacian_start
+from ..fingerprint.laplacian import laplacian_start
 from .config import AtlasSection
 
 if TYPE_CHECKING:
-    from client_app.runtime import ClientRuntime
     from common.adapters import ClientState
 
 OWN_RANKS, WIRE_RANKS = "lora-ranks", "wire-ranks"  # instruction config keys: comma-separated, sorted layer order

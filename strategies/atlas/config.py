@@ -8,7 +8,7 @@ from pydantic import Field, field_validator
 
 from common.config import Section, split_csv
 
-from ..mira.config import alpha_for, parse_alpha
+from ..fingerprint.laplacian import alpha_for, parse_alpha
 
 if TYPE_CHECKING:
     from common.config import RunConfig

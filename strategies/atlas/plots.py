@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from server_app.plots import integer_rounds, pyplot, save
+from common.plots import integer_rounds, pyplot, save
 
 
 def fingerprints(server_round: int, families: dict[str, Any], out_dir: Path) -> list[Path]:

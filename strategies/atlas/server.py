@@ -35,12 +35,12 @@ import numpy as np
 from common.adapters.lora import ranks as lora_ranks
 from common.logs import get_logger
 
+from ..aggregation import mix_group_means
 from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult
 from ..families import family_key
 from ..fingerprint import FingerprintReport, FingerprintSection, FingerprintStrategy
-from ..mira.laplacian import median_alpha, normalised_adjacency, rbf_adjacency
-from ..mira.plots import adjacency as adjacency_plots
-from ..simgrad.relevance import mix_group_means
+from ..fingerprint.laplacian import median_alpha, normalised_adjacency, rbf_adjacency
+from ..fingerprint.plots import adjacency as adjacency_plots
 from . import plots
 from .client import NEIGHBOUR_TERM, OWN_RANKS, WIRE_RANKS, encode_ranks
 from .clustering import (

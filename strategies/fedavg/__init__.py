@@ -6,7 +6,7 @@ beside it stays on each client): the baseline for SimGrad's LoRA local path.
 """
 
 from ..client import StrategyClient
-from ..registry import StrategySpec
+from ..spec import StrategySpec
 from .server import FedAvg, FedAvgDual, family_key
 
 SPEC = StrategySpec(name=FedAvg.name, server=FedAvg, client=StrategyClient, adapter="lora")

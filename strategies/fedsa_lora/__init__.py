@@ -4,7 +4,7 @@ per base-model family), the B matrices stay on each client. Its math is ``select
 average is ``strategies.aggregation.weighted_mean`` through the transport, as FedAvg's.
 """
 
-from ..registry import StrategySpec
+from ..spec import StrategySpec
 from .client import OWN_B, FedSALoraClient
 from .server import FedSALora
 

@@ -12,14 +12,11 @@ global A.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from ..base import Arrays
-from ..client import StrategyClient, save_whole_adapter
+from ..client import ClientRuntime, StrategyClient, save_whole_adapter
 from .selective import merge, private_part, shared_part, split
-
-if TYPE_CHECKING:
-    from client_app.runtime import ClientRuntime
 
 OWN_B = "fedsa-lora.B"  # the client-state key of this client's B matrices
 

@@ -15,13 +15,12 @@ import numpy as np
 from common.logs import get_logger
 
 from ..base import Arrays
-from ..client import StrategyClient
+from ..client import ClientRuntime, StrategyClient
 from ..sketches import sanitize_signature
 from .config import FingerprintSection
 from .gradients import adapter_gradients, layer_normalised, layer_norms, sketch
 
 if TYPE_CHECKING:
-    from client_app.runtime import ClientRuntime
     from common.adapters import ClientState
     from common.data import Example
 

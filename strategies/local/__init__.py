@@ -1,7 +1,7 @@
 """Local-only training (``strategy = "local"``): the baseline. No adapter is aggregated; each client trains and
 keeps its own, of the kind ``local.adapter`` names (LoRA to compare with FedAvg, PQ-LoRA with SimGrad)."""
 
-from ..registry import StrategySpec
+from ..spec import StrategySpec
 from .client import LocalClient
 from .config import LocalSection
 from .server import LocalOnly

@@ -7,13 +7,10 @@ one without (LoRA: "the server sends everything") has its trained arrays kept he
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from ..base import Arrays
-from ..client import StrategyClient, save_whole_adapter
-
-if TYPE_CHECKING:
-    from client_app.runtime import ClientRuntime
+from ..client import ClientRuntime, StrategyClient, save_whole_adapter
 
 OWN_ADAPTER = "local.adapter"
 

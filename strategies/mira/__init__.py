@@ -1,12 +1,12 @@
 """MIRA: personal LoRA adapters and a graph-Laplacian step over task-fingerprint neighbours (seed 003, phase 4).
 
-``laplacian.py`` is its math (pure functions); ``server.py`` and ``client.py`` its two halves (the fingerprint
-report is shared with ATLAS: ``strategies.fingerprint``); ``config.py`` its section (``mira.*``); ``plots.py`` its
-adjacency heatmaps.
+``server.py`` and ``client.py`` are its two halves and ``config.py`` its section (``mira.*``). What it shares with
+ATLAS lives in ``strategies.fingerprint``: the report, its math (``laplacian.py``: the RBF adjacency and the
+Laplacian step, pure functions) and the adjacency heatmaps (``plots.py``).
 """
 
 from ..fingerprint import FingerprintSection
-from ..registry import StrategySpec
+from ..spec import StrategySpec
 from .client import MiraClient
 from .config import MiraSection
 from .server import Mira

@@ -8,36 +8,21 @@ term, so the round's evaluation and the next round's training start from the sam
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..base import Arrays
-from ..client import save_whole_adapter
+from ..client import ClientRuntime, save_whole_adapter
 from ..fingerprint import FingerprintClient
+from ..fingerprint.laplacian import laplacian_start
 from .config import MiraSection
-from .laplacian import apply_step
-
-if TYPE_CHECKING:
-    from client_app.runtime import ClientRuntime
 
 OWN_ADAPTER = "mira.adapter"
 
 
 def same_arrays(a: Arrays, b: Arrays) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-
-
-def laplacian_start(own: Arrays | None, received: Arrays | None, first: Arrays, eta: float, neighbours: bool) -> Arrays:
-    """Where a client that keeps its own adapter starts: before it has trained (``own`` None: round 1, or a fresh
-    node state after a restart), from what was sent or else ``first``; later, its own adapter stepped toward the
-    neighbour term received, (1 - eta) W_k + eta N_k, or left as it is when what arrived is not a neighbour term
-    (``neighbours`` False: the server has none for it yet)."""
-    if own is None:
-        return received if received else first
-    if not received or not neighbours:
-        return own
-    return apply_step(own, received, eta)
 
 
 class MiraClient(FingerprintClient):

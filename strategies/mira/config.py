@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from common.config import Section
 
-
-def parse_alpha(value: Any) -> Any:
-    """An RBF bandwidth: a number >= 0, or "median" (1 / the median pairwise squared distance)."""
-    if value == "median":
-        return value
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"expected a number >= 0 or 'median', got {value!r}") from None
-    if not 0 <= number < math.inf:
-        raise ValueError(f"expected a number >= 0 or 'median', got {value!r}")
-    return number
-
-
-def alpha_for(alpha: float | str, median: float) -> float:
-    return median if alpha == "median" else float(alpha)
+from ..fingerprint.laplacian import alpha_for, parse_alpha
 
 
 class MiraSection(Section):

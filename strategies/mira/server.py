@@ -11,7 +11,8 @@ How the sums travel (``secure``):
   server learns the fingerprints, the adjacency and one mean per group, never one client's adapter. The secure N_k
   differs from the exact one because a group's mean includes client k itself (a_kk = 0 in the exact one) and spreads
   a_kl evenly inside each group.
-The math lives in ``laplacian.py`` (and ``strategies.simgrad.relevance`` for grouping and mixing group means).
+The math lives in ``strategies.fingerprint.laplacian`` (shared with ATLAS's in-cluster step) and
+``strategies.aggregation`` (grouping and mixing group means).
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import numpy as np
 
 from common.logs import get_logger
 
+from ..aggregation import group_by_relevance, mix_group_means
 from ..base import WEIGHT_EQUALLY, Arrays, FinalAdapter, Group, GroupResult
-from ..fingerprint import FingerprintSection, FingerprintStrategy
-from ..simgrad.relevance import group_by_relevance, mix_group_means
-from . import plots
+from ..fingerprint import FingerprintSection, FingerprintStrategy, plots
+from ..fingerprint.laplacian import median_alpha, normalised_adjacency, rbf_adjacency
 from .config import MiraSection
-from .laplacian import median_alpha, normalised_adjacency, rbf_adjacency
 
 if TYPE_CHECKING:
     from common.config import RunConfig

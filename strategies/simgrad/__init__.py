@@ -4,7 +4,7 @@
 ``client.py`` are its two halves; ``config.py`` its section (``simgrad.*``); ``plots.py`` its figures.
 """
 
-from ..registry import StrategySpec
+from ..spec import StrategySpec
 from .client import SimGradClient
 from .config import SimGradSection
 from .server import ClientReport, SimGrad

@@ -21,12 +21,11 @@ from common.logs import get_logger
 from common.training import batch_loss
 
 from ..base import Arrays
-from ..client import StrategyClient
+from ..client import ClientRuntime, StrategyClient
 from .config import SimGradSection
 from .signatures import probe_gradient, sanitize_signature
 
 if TYPE_CHECKING:
-    from client_app.runtime import ClientRuntime
     from common.adapters import ClientState
 
 log = get_logger("tessera.client")

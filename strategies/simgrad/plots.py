@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from server_app.plots import client_key, client_keys, client_label, heatmap_pair, integer_rounds, pyplot, save
+from common.plots import client_key, client_keys, client_label, heatmap_pair, integer_rounds, pyplot, save
 
 
 def relevance(server_round: int, row: dict[str, Any], out: Path) -> Path:

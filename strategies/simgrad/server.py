@@ -24,18 +24,12 @@ import numpy as np
 
 from common.logs import get_logger
 
+from ..aggregation import group_by_relevance, mix_group_means, personalised_mix
 from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
 from ..sketches import report_vector
 from . import plots
 from .config import SimGradSection
-from .relevance import (
-    cosine_relevance,
-    group_by_relevance,
-    mix_group_means,
-    personalised_mix,
-    relevance_weights,
-    route_blocks,
-)
+from .relevance import cosine_relevance, relevance_weights, route_blocks
 
 if TYPE_CHECKING:
     from common.config import RunConfig

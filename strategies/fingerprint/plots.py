@@ -1,11 +1,12 @@
-"""MIRA's figures: the adjacency of every model family, raw and row-normalised, per round."""
+"""The fingerprint graph's figures (MIRA, and ATLAS with a Laplacian step): the adjacency of every model family,
+raw and row-normalised, per round."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from server_app.plots import heatmap_pair
+from common.plots import heatmap_pair
 
 
 def adjacency(server_round: int, families: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -1,15 +1,20 @@
-"""MIRA's server math as pure functions: the RBF adjacency of task fingerprints and the graph-Laplacian step.
+"""The graph over task fingerprints, as pure functions: the RBF adjacency and the graph-Laplacian step.
+
+MIRA's math (its whole server step), and ATLAS's in-cluster step (``atlas.laplacian-eta``): both strategies reach
+it here, in the package they share, not in each other.
 
 W_k <- W_k - eta * sum_l a_kl (W_k - W_l), with a_kl = exp(-alpha ||f_k - f_l||^2), a_kk = 0, rows summing to 1.
 Because the rows sum to 1 the step is a mix: W_k <- (1 - eta) W_k + eta * sum_l a_kl W_l. In plaintext the server
 sees every W_l and the neighbour term is exact; in secure mode it sees only group means, and the neighbour term
-is client k's adjacency summed per group times the group means (``strategies.simgrad.relevance.mix_group_means``).
+is client k's adjacency summed per group times the group means (``strategies.aggregation.mix_group_means``).
 NumPy in, NumPy out.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -98,3 +103,33 @@ def apply_step(own: Arrays, neighbours: Arrays, eta: float) -> Arrays:
         )
         for k, v in own.items()
     }
+
+
+def laplacian_start(own: Arrays | None, received: Arrays | None, first: Arrays, eta: float, neighbours: bool) -> Arrays:
+    """Where a client that keeps its own adapter starts: before it has trained (``own`` None: round 1, or a fresh
+    node state after a restart), from what was sent or else ``first``; later, its own adapter stepped toward the
+    neighbour term received, (1 - eta) W_k + eta N_k, or left as it is when what arrived is not a neighbour term
+    (``neighbours`` False: the server has none for it yet)."""
+    if own is None:
+        return received if received else first
+    if not received or not neighbours:
+        return own
+    return apply_step(own, received, eta)
+
+
+def parse_alpha(value: Any) -> Any:
+    """An RBF bandwidth: a number >= 0, or "median" (1 / the median pairwise squared distance)."""
+    if value == "median":
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number >= 0 or 'median', got {value!r}") from None
+    if not 0 <= number < math.inf:
+        raise ValueError(f"expected a number >= 0 or 'median', got {value!r}")
+    return number
+
+
+def alpha_for(alpha: float | str, median: float) -> float:
+    """The bandwidth to use: the given number, or ``median`` when the setting is "median"."""
+    return median if alpha == "median" else float(alpha)
