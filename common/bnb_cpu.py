@@ -18,7 +18,7 @@ What we do instead, for every ``Linear4bit`` of a model (``use_packed_inference`
   gradients are those of a model that never evaluated, whoever trains it (our loop, peft's, a user's).
 Cost: one extra copy of the packed 4-bit weights per model (about the model's 4-bit size) on machines where the
 kernel runs; gain, as reported for the same kernel there: no-grad forwards about 1.8x and greedy generation
-about 3x faster (see README; ``bench/cpu_4bit_bench.py`` measures it on such a machine).
+about 3x faster (see docs/cpu-4bit.md; ``bench/cpu_4bit_bench.py`` measures it on such a machine).
 The packed copy computes in bf16, so evaluation numbers on such a CPU match the fp32 path to bf16 precision.
 """
 

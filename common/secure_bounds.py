@@ -17,7 +17,7 @@ members' sum. What an honest group's sum must satisfy, it can still check:
   difference.
 
 A hostile member can still move its group's mean anywhere inside both bounds; closing that needs zero-knowledge range
-proofs (RoFL, EIFFeL, ELSA), which Flower's SecAgg+ does not have (README, "Security").
+proofs (RoFL, EIFFeL, ELSA), which Flower's SecAgg+ does not have (docs/reliability-security.md).
 """
 
 from __future__ import annotations

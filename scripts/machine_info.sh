@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What a test log needs to be traced to its machine. `cpu`: the CPU, cores and the instruction sets the 4-bit
-# path depends on (AVX512-BF16 selects bitsandbytes' packed CPU kernel, see README "CPU features"); works before
+# path depends on (AVX512-BF16 selects bitsandbytes' packed CPU kernel, see docs/cpu-4bit.md); works before
 # anything is installed. `versions`: the libraries as installed, and what torch and bitsandbytes detected.
 PY=${PYTHON:-python3}
 if [[ "${1:-cpu}" == cpu ]]; then

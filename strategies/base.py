@@ -6,7 +6,7 @@ form each group, which adapter each member starts from and how members are weigh
 (plain or SecAgg+, ``server_app.transport``) returns each group's weighted mean; ``update`` combines those means
 into the strategy's new state. ``eval_arrays`` says which adapter a client is evaluated with. Strategies never see
 Flower messages, and their math lives in pure functions beside them. Why this is not Flower's ``Strategy``: see
-the README ("Adding a strategy").
+docs/adding-a-strategy.md.
 """
 
 from __future__ import annotations
@@ -35,6 +35,16 @@ SECAGG_CLIP_NORM = "secagg-clip-norm"
 WEIGHT_BY = "weight-by"  # the train-instruction config key that carries it
 WEIGHT_BY_EXAMPLES = "examples"  # the examples it trained on this round (FedAvg)
 WEIGHT_EQUALLY = "equal"  # 1 each: a plain mean (or, with max_weight 1, a plain sum's share)
+
+
+def partition_state(prefix: str, by_partition: dict[int, Arrays]) -> dict[str, Arrays]:
+    """Per-client arrays as checkpoint entries ``<prefix><partition id>`` (a server's ``state_dict`` part)."""
+    return {f"{prefix}{pid}": arrays for pid, arrays in sorted(by_partition.items())}
+
+
+def read_partition_state(state: dict[str, Arrays], prefix: str) -> dict[int, Arrays]:
+    """The inverse of ``partition_state``: the entries of ``state`` under ``prefix``, by partition id."""
+    return {int(key.removeprefix(prefix)): arrays for key, arrays in state.items() if key.startswith(prefix)}
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""A strategy added the README's way (``toy_strategy.py``: one file, one ``register`` call) runs end to end through
-the real ServerApp, ClientApp, plain transport and Flower's SecAgg+ (in-process simulation, tiny model): its
-config section is validated, its own member weighting is honoured by both transports, its client state survives
-between messages, its reply metrics reach metrics.jsonl."""
+"""A strategy added the documented way (docs/adding-a-strategy.md; ``toy_strategy.py``: one file, one ``register``
+call) runs end to end through the real ServerApp, ClientApp, plain transport and Flower's SecAgg+ (in-process
+simulation, tiny model): its config section is validated, its own member weighting is honoured by both transports,
+its client state survives between messages, its reply metrics reach metrics.jsonl."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A toy strategy, written the way the README's "Adding a strategy" says, in this ONE file: a server half, a client
+"""A toy strategy, written the way docs/adding-a-strategy.md says, in this ONE file: a server half, a client
 half with its own client state, its own config section, and a registry entry. ``test_toy_strategy.py`` runs it
 end to end (plain and SecAgg+) through the real ServerApp, ClientApp and transport.
 

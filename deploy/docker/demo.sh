@@ -48,7 +48,7 @@ compose() { "${COMPOSE[@]}" "${COMPOSE_FILES[@]}" "$@"; }
 if [ -n "${DOWN[*]}" ]; then compose "${DOWN[@]}"; exit; fi
 
 if ! docker info >/dev/null 2>&1; then
-  echo "[demo] no Docker engine answers (start dockerd; see README 'Docker')" >&2; exit 1
+  echo "[demo] no Docker engine answers (start dockerd; see docs/deployment.md)" >&2; exit 1
 fi
 command -v flwr >/dev/null || { echo "[demo] no flwr CLI: run bash scripts/setup.sh first" >&2; exit 1; }
 # The real model and data on the host, once (no-op when present); the containers mount them read-only.

@@ -36,7 +36,7 @@ from common.adapters.lora import ranks as lora_ranks
 from common.logs import get_logger
 
 from ..aggregation import mix_group_means
-from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult
+from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, partition_state, read_partition_state
 from ..families import family_key
 from ..fingerprint import FingerprintReport, FingerprintSection, FingerprintStrategy
 from ..fingerprint.laplacian import median_alpha, normalised_adjacency, rbf_adjacency
@@ -380,14 +380,10 @@ class Atlas(FingerprintStrategy):
 
     # ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Arrays]:
-        state = {f"adapter-{pid}": arrays for pid, arrays in sorted(self.adapter_of.items())}
-        state.update(self.fingerprint_state())
-        return state
+        return {**partition_state("adapter-", self.adapter_of), **self.fingerprint_state()}
 
     def load_state_dict(self, state: dict[str, Arrays]) -> None:
-        for key, arrays in state.items():
-            if key.startswith("adapter-"):
-                self.adapter_of[int(key.removeprefix("adapter-"))] = arrays
+        self.adapter_of.update(read_partition_state(state, "adapter-"))
         self.load_fingerprint_state(state)
 
     def final_adapters(self) -> list[FinalAdapter]:

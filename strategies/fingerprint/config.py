@@ -20,13 +20,14 @@ class FingerprintSection(Section):
     """
 
     key: ClassVar[str] = "fingerprint"
-    batches: int = Field(16, ge=1, le=1024)  # seed 003 went from 10 to 64 for a stable signal; measured in README
+    # seed 003 went from 10 to 64 for a stable signal; measured in docs/strategies/atlas-mira.md
+    batches: int = Field(16, ge=1, le=1024)
     blocks: int = Field(2, ge=1)  # the last N decoder blocks (seed 003: the last two)
     sketch_dim: int = Field(512, ge=8, le=1 << 16)  # what leaves the client
     dim: int = Field(64, ge=2, le=4096)  # PCA on the server (at most clients - 1 components)
     # Sanitisation, as SimGrad's signatures (relative noise, EMA across rounds, coordinate subsampling). Off by
     # default: clustering needs the sketch's geometry, and the sketch of a 2-block gradient says little about one
-    # example (the README's "what the server learns").
+    # example (docs/strategies/atlas-mira.md, "what the server learns").
     ema_decay: float = Field(0.0, ge=0, lt=1)
     noise_scale: float = Field(0.0, ge=0)
     keep_fraction: float = Field(1.0, gt=0, le=1)

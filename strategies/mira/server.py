@@ -25,7 +25,7 @@ import numpy as np
 from common.logs import get_logger
 
 from ..aggregation import group_by_relevance, mix_group_means
-from ..base import WEIGHT_EQUALLY, Arrays, FinalAdapter, Group, GroupResult
+from ..base import WEIGHT_EQUALLY, Arrays, FinalAdapter, Group, GroupResult, partition_state, read_partition_state
 from ..fingerprint import FingerprintSection, FingerprintStrategy, plots
 from ..fingerprint.laplacian import median_alpha, normalised_adjacency, rbf_adjacency
 from .config import MiraSection
@@ -152,14 +152,10 @@ class Mira(FingerprintStrategy):
 
     # ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Arrays]:
-        state = {f"neighbours-{pid}": arrays for pid, arrays in sorted(self.neighbours.items())}
-        state.update(self.fingerprint_state())
-        return state
+        return {**partition_state("neighbours-", self.neighbours), **self.fingerprint_state()}
 
     def load_state_dict(self, state: dict[str, Arrays]) -> None:
-        for key, arrays in state.items():
-            if key.startswith("neighbours-"):
-                self.neighbours[int(key.removeprefix("neighbours-"))] = arrays
+        self.neighbours.update(read_partition_state(state, "neighbours-"))
         self.load_fingerprint_state(state)
 
     def final_adapters(self) -> list[FinalAdapter]:

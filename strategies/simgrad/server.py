@@ -25,7 +25,7 @@ import numpy as np
 from common.logs import get_logger
 
 from ..aggregation import group_by_relevance, mix_group_means, personalised_mix
-from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
+from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy, partition_state, read_partition_state
 from ..sketches import report_vector
 from . import plots
 from .config import SimGradSection
@@ -221,7 +221,7 @@ class SimGrad(Strategy):
 
     # ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Arrays]:
-        return {f"client-{pid}": arrays for pid, arrays in sorted(self.global_by_partition.items())}
+        return partition_state("client-", self.global_by_partition)
 
     def final_adapters(self) -> list[FinalAdapter]:
         """Each client's global P/Q (a client saves its full adapter itself: its local parts never leave it)."""
@@ -231,6 +231,4 @@ class SimGrad(Strategy):
         ]
 
     def load_state_dict(self, state: dict[str, Arrays]) -> None:
-        for key, arrays in state.items():
-            pid = int(key.removeprefix("client-"))
-            self.global_by_partition[pid] = arrays
+        self.global_by_partition.update(read_partition_state(state, "client-"))

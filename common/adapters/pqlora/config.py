@@ -21,8 +21,8 @@ class PQLoraSection(Section):
     key: ClassVar[str] = "pqlora"
     r: int = Field(8, ge=1, le=128)
     # Adapt the last ``blocks`` transformer blocks. 24: every block of Qwen2.5-0.5B, 24 of SmolLM2-135M's 30, so
-    # clients of both models share the same block indices. Chosen by the validation sweep of issue 13 (README,
-    # "Comparing strategies"): 4 blocks of rank 8 could not learn (BoolQ 2.55 -> 2.13 where a local LoRA gets 0.28).
+    # clients of both models share the same block indices. Chosen by the validation sweep of issue 13
+    # (docs/comparing.md): 4 blocks of rank 8 could not learn (BoolQ 2.55 -> 2.13 where a local LoRA gets 0.28).
     blocks: int = Field(24, ge=1)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
     scaling: float = Field(4.0, gt=0)
@@ -31,7 +31,7 @@ class PQLoraSection(Section):
     # the adapter is PQ-LoRA. 3e-2 beat 1e-2 on the validation sweeps (worst client 0.557 against 0.614 with the "pq"
     # local path; SimGrad's "lora" local path is best only at 3e-2). With the "pq" path it made round 1's unaligned
     # cross-model mix raise a Qwen client's loss (tests/test_e2e_simgrad.py); with the personal LoRA (SimGrad's
-    # default local path now) that test passes at 3e-2 (README, "Comparing strategies").
+    # default local path now) that test passes at 3e-2 (docs/comparing.md, "Comparing strategies").
     learning_rate: float = Field(3e-2, gt=0, le=1)
 
     _csv = field_validator("target_modules", mode="before")(split_csv)
