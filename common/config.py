@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -49,8 +49,23 @@ class Section(BaseModel):
 
 
 SectionT = TypeVar("SectionT", bound=Section)
-# What a run's strategy says of a validated config: the adapter kind it trains and the sections whose checks apply
-RunPlan = Callable[["RunConfig"], tuple[str, Sequence[type[Section]]]]
+
+
+class Plan(NamedTuple):
+    """What a run's strategy says of its validated config (``strategies.registry.run_plan``).
+
+    Attributes:
+        adapter: the adapter kind it trains (a key of ``common.adapters.ADAPTER_KINDS``).
+        adapter_section: that kind's section (its ``train_overrides`` replace local-training settings).
+        checked: the sections the run reads beyond the core, whose ``check`` must pass.
+    """
+
+    adapter: str
+    adapter_section: type[Section]
+    checked: Sequence[type[Section]]
+
+
+Planner = Callable[["RunConfig"], Plan]
 
 
 def pyproject_defaults(pyproject: Path) -> dict[str, Any]:
@@ -272,7 +287,7 @@ class RunConfig(Section):
     secagg: SecAggSection = Field(default_factory=SecAggSection)
     robust: RobustSection = Field(default_factory=RobustSection)
     _sections: dict[str, Section] = PrivateAttr(default_factory=dict)
-    _adapter: str | None = PrivateAttr(None)
+    _plan: Plan | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check_core(self) -> RunConfig:
@@ -296,17 +311,16 @@ class RunConfig(Section):
     def adapter(self) -> str:
         """The adapter kind this run's strategy trains (``common.adapters.ADAPTER_KINDS``), as the strategy's plan
         said when the config was built (``strategies.load_run_config``)."""
-        if self._adapter is None:
-            raise ConfigError(
-                "strategy: this run config was built without its strategy (use strategies.load_run_config)"
-            )
-        return self._adapter
+        return self._planned().adapter
+
+    def _planned(self) -> Plan:
+        if self._plan is None:
+            raise ConfigError("strategy: this config was built without its strategy (use strategies.load_run_config)")
+        return self._plan
 
     def train_settings(self) -> TrainSection:
         """The local-training settings for this run's adapter (e.g. PQ-LoRA has its own learning rate)."""
-        from common.adapters import adapter_kind
-
-        overrides = self.section(adapter_kind(self.adapter).section).train_overrides()
+        overrides = self.section(self._planned().adapter_section).train_overrides()
         return self.train.model_copy(update=overrides) if overrides else self.train
 
     def run_path(self) -> Path:
@@ -320,7 +334,7 @@ class RunConfig(Section):
 
     @classmethod
     def from_flat(
-        cls, flat: Mapping[str, Any], sections: Mapping[str, type[Section]] | None = None, plan: RunPlan | None = None
+        cls, flat: Mapping[str, Any], sections: Mapping[str, type[Section]] | None = None, plan: Planner | None = None
     ) -> RunConfig:
         """Build from Flower's flattened run config (``{"train.local-steps": 8, ...}``); see ``from_nested``."""
         nested: dict[str, Any] = {}
@@ -337,7 +351,7 @@ class RunConfig(Section):
 
     @classmethod
     def from_nested(
-        cls, nested: Mapping[str, Any], sections: Mapping[str, type[Section]] | None = None, plan: RunPlan | None = None
+        cls, nested: Mapping[str, Any], sections: Mapping[str, type[Section]] | None = None, plan: Planner | None = None
     ) -> RunConfig:
         """Validate the core keys and the given ``sections`` (key -> class: the adapter kinds' and strategies'; a key
         of none of them is an error); then ``plan`` names the run's adapter kind and the sections whose ``check``
@@ -361,8 +375,8 @@ class RunConfig(Section):
         if plan is None:
             return cfg
         try:
-            cfg._adapter, checked = plan(cfg)
-            for kind in checked:
+            cfg._plan = plan(cfg)
+            for kind in cfg._plan.checked:
                 cfg.section(kind).check(cfg)
         except ValueError as err:
             raise ConfigError(_describe([{"msg": str(err), "loc": (), "type": "value_error"}])) from None

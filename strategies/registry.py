@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from .spec import StrategySpec
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Mapping
     from typing import Any
 
-    from common.config import RunConfig, Section
+    from common.config import Plan, RunConfig, Section
 
 
 REGISTRY: dict[str, StrategySpec] = {}
@@ -70,11 +70,16 @@ def config_sections() -> dict[str, type[Section]]:
     return sections
 
 
-def run_plan(cfg: RunConfig) -> tuple[str, Sequence[type[Section]]]:
-    """What the run's strategy says of a validated config: its adapter kind and the sections it reads (whose
-    ``check`` must pass). ValueError naming the ``strategy`` key for a name nobody registered."""
+def run_plan(cfg: RunConfig) -> Plan:
+    """What the run's strategy says of a validated config: its adapter kind (and that kind's section) and the
+    sections it reads (whose ``check`` must pass). ValueError naming the ``strategy`` key for a name nobody
+    registered."""
+    from common.adapters import adapter_kind
+    from common.config import Plan
+
     spec = strategy_spec(cfg.strategy)
-    return spec.adapter_for(cfg), spec.sections(cfg)
+    adapter = spec.adapter_for(cfg)
+    return Plan(adapter, adapter_kind(adapter).section, spec.sections(cfg))
 
 
 def load_run_config(flat: Mapping[str, Any]) -> RunConfig:
