@@ -1,0 +1,152 @@
+"""VEMoE's server-side math as pure functions (NumPy in, NumPy out; no Flower): the one flat payload every client
+sends, the experts recovered from its sum, and the open-world pool decisions (prune, merge, birth).
+
+Server-oblivious aggregation (seed 002): client i sends, for EVERY slot k of the pool (K_max of them, so that
+SecAgg+ sums vectors of one shape), r_ik * theta_ik (its trained expert k weighted by its responsibility; zeros
+where r_ik = 0) and r_ik itself, plus a birth vote v_i in {0, 1} and v_i * (its candidate expert). From the sum
+over clients alone the server sets theta_k = sum_i r_ik theta_ik / sum_i r_ik and learns each expert's total
+responsibility sum_i r_ik, never which client uses which expert. The same ratios hold for group MEANS (the common
+1/n cancels); vote counts need the sum.
+
+A LoRA expert is a dict of peft arrays (``...lora_A.weight`` / ``...lora_B.weight`` per layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from common.adapters.lora.ranks import layers
+
+Arrays = dict[str, np.ndarray]
+RESPONSIBILITY, VOTE, CANDIDATE = "responsibility", "birth-vote", "birth-candidate"
+
+
+def slot_key(slot: int, name: str) -> str:
+    return f"expert-{slot}.{name}"
+
+
+def client_payload(
+    trained: dict[int, Arrays], r: np.ndarray, template: Arrays, vote: bool = False, candidate: Arrays | None = None
+) -> Arrays:
+    """One client's payload: r_k * theta_k for every slot (``trained`` holds the experts it trained, by slot; any
+    other slot is zeros), r, the vote and vote * candidate. Every array has ``template``'s names and shapes, so
+    every client's payload has the same length."""
+    r = np.asarray(r, dtype=np.float64)
+    if r.ndim != 1 or np.any(r < 0) or not np.isclose(r.sum(), 1.0):
+        raise ValueError(f"responsibilities must be >= 0 and sum to 1, got {r.tolist()}")
+    if missing := [k for k, value in enumerate(r) if value > 0 and k not in trained]:
+        raise ValueError(f"slots {missing} carry responsibility but no trained expert")
+    if vote and candidate is None:
+        raise ValueError("a birth vote needs its candidate expert")
+    out: Arrays = {}
+    for slot in range(len(r)):
+        expert = trained.get(slot)
+        for name, shape in ((n, np.shape(a)) for n, a in template.items()):
+            value = np.zeros(shape) if expert is None or r[slot] == 0 else r[slot] * np.asarray(expert[name])
+            out[slot_key(slot, name)] = np.asarray(value, dtype=np.float32)
+    out[RESPONSIBILITY] = r.astype(np.float32)
+    out[VOTE] = np.array([1.0 if vote else 0.0], dtype=np.float32)
+    for name, array in template.items():
+        value = np.asarray(candidate[name]) if vote and candidate is not None else np.zeros(np.shape(array))
+        out[f"{CANDIDATE}.{name}"] = np.asarray(value, dtype=np.float32)
+    return out
+
+
+def experts_from_sum(
+    total: Arrays, previous: Sequence[Arrays], min_responsibility: float = 1e-6
+) -> tuple[list[Arrays], np.ndarray]:
+    """theta_k = sum_i r_ik theta_ik / sum_i r_ik for every slot, and sum_i r_ik (the slot totals), from a payload
+    sum (or mean). A slot whose total is at most ``min_responsibility`` keeps ``previous[k]``: nobody trained it."""
+    totals = np.asarray(total[RESPONSIBILITY], dtype=np.float64)
+    if len(totals) != len(previous):
+        raise ValueError(f"{len(totals)} slot totals for a pool of {len(previous)} slots")
+    experts = []
+    for slot, kept in enumerate(previous):
+        if totals[slot] <= min_responsibility:
+            experts.append(kept)
+            continue
+        experts.append(
+            {
+                name: (np.asarray(total[slot_key(slot, name)], dtype=np.float64) / totals[slot]).astype(np.float32)
+                for name in kept
+            }
+        )
+    return experts, totals
+
+
+def newborn(total: Arrays, votes: float, template: Arrays) -> Arrays:
+    """The mean of the voters' candidates, sum_i v_i c_i / sum_i v_i, from a payload SUM with ``votes`` voters."""
+    if votes <= 0:
+        raise ValueError("no votes, no newborn")
+    return {name: (np.asarray(total[f"{CANDIDATE}.{name}"]) / votes).astype(np.float32) for name in template}
+
+
+def prune(
+    totals: np.ndarray, active: np.ndarray, low_rounds: np.ndarray, threshold: float, patience: int
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Count, per active slot, the consecutive rounds its share of the round's responsibility mass was below
+    ``threshold``; free the slots that reach ``patience`` (never the last active one: the one with the largest
+    share stays). Returns (active, low_rounds, pruned slots)."""
+    totals = np.asarray(totals, dtype=np.float64)
+    active = np.asarray(active, dtype=bool).copy()
+    mass = totals[active].sum()
+    share = np.where(active, totals / mass if mass > 0 else 0.0, 0.0)
+    low = np.where(active & (share < threshold), np.asarray(low_rounds) + 1, 0)
+    pruned = [int(k) for k in np.flatnonzero(active & (low >= patience))]
+    if len(pruned) == int(active.sum()):  # keep the most used one
+        pruned.remove(int(np.argmax(np.where(active, share, -1.0))))
+    active[pruned] = False
+    low[pruned] = 0
+    return active, low, pruned
+
+
+def delta_w(expert: Arrays) -> np.ndarray:
+    """The expert's weight change, every layer's B @ A flattened and concatenated (the scale alpha / r is common
+    to every expert, so it does not change a cosine)."""
+    parts = [
+        (np.asarray(expert[b], dtype=np.float64) @ np.asarray(expert[a], dtype=np.float64)).ravel()
+        for _, (a, b) in sorted(layers(expert).items())
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def merge_pairs(experts: Sequence[Arrays], active: np.ndarray, threshold: float) -> list[tuple[int, int, float]]:
+    """Pairs of active slots whose delta-W cosine exceeds ``threshold``, most similar first, each slot in at most
+    one pair: (kept slot, merged slot, cosine), the kept one the lower slot."""
+    slots = [int(k) for k in np.flatnonzero(np.asarray(active, dtype=bool))]
+    vectors = {k: delta_w(experts[k]) for k in slots}
+    norms = {k: float(np.linalg.norm(v)) for k, v in vectors.items()}
+    scored = []
+    for i, a in enumerate(slots):
+        for b in slots[i + 1 :]:
+            if norms[a] > 0 and norms[b] > 0:
+                cosine = float(vectors[a] @ vectors[b] / (norms[a] * norms[b]))
+                if cosine > threshold:
+                    scored.append((cosine, a, b))
+    pairs, used = [], set[int]()
+    for cosine, a, b in sorted(scored, key=lambda t: (-t[0], t[1], t[2])):
+        if a not in used and b not in used:
+            pairs.append((a, b, cosine))
+            used |= {a, b}
+    return pairs
+
+
+def merge(kept: Arrays, merged: Arrays, r_kept: float, r_merged: float) -> Arrays:
+    """The responsibility-weighted mean of two experts, array by array (both weights 0: the plain mean)."""
+    w = np.array([r_kept, r_merged], dtype=np.float64)
+    w = w / w.sum() if w.sum() > 0 else np.array([0.5, 0.5])
+    return {
+        name: (w[0] * np.asarray(kept[name], np.float64) + w[1] * np.asarray(merged[name], np.float64)).astype(
+            np.float32
+        )
+        for name in kept
+    }
+
+
+def birth_slot(votes: float, active: np.ndarray, min_votes: int) -> int | None:
+    """The free slot a newborn expert takes (the lowest), when at least ``min_votes`` clients voted; None when too
+    few voted or every slot is taken (the pool never exceeds K_max)."""
+    free = np.flatnonzero(~np.asarray(active, dtype=bool))
+    return int(free[0]) if votes >= min_votes and free.size else None

@@ -1,0 +1,63 @@
+"""VEMoE's client-side math as pure functions: domain responsibilities from probe losses, the client's top-m
+experts, and the token-level mixture inside them (seed 002's hierarchical routing).
+
+For client i with active experts k (slots of the pool that hold an expert):
+- responsibilities r_ik = softmax_k(-loss_ik / T) over the active experts, from each expert's loss on a probe
+  batch of the client's own data; an inactive slot has r_ik = 0;
+- the client's top-m set: the m active experts of largest r_ik, which it trains and routes between;
+- token mixture alpha_tk = softmax_k(log r_ik + u_tk / gamma) over the top-m, u_tk a router's logit for token t.
+
+NumPy for the per-round numbers, torch for the per-token mixture (it runs inside the forward pass).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def responsibilities(probe_losses: np.ndarray, active: np.ndarray, temperature: float) -> np.ndarray:
+    """r (K_max,): softmax of -loss / ``temperature`` over the active slots, 0 elsewhere; sums to 1.
+
+    ``probe_losses[k]`` is read only where ``active[k]``; an active slot's loss must be finite (a NaN or infinite
+    probe loss is a broken expert or batch, not a preference: ValueError).
+    """
+    losses = np.asarray(probe_losses, dtype=np.float64)
+    mask = np.asarray(active, dtype=bool)
+    if losses.shape != mask.shape or losses.ndim != 1:
+        raise ValueError(f"{losses.shape} probe losses for {mask.shape} slots")
+    if not mask.any():
+        raise ValueError("no active expert to be responsible")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not np.all(np.isfinite(losses[mask])):
+        raise ValueError(f"active experts' probe losses must be finite, got {losses[mask].tolist()}")
+    logits = np.where(mask, -losses / temperature, -np.inf)
+    logits -= logits[mask].max()
+    weights = np.where(mask, np.exp(logits), 0.0)
+    return weights / weights.sum()
+
+
+def top_m(r: np.ndarray, m: int) -> np.ndarray:
+    """The (at most) ``m`` slots of largest responsibility among those with r > 0, ascending slot order; ties go to
+    the lower slot."""
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m}")
+    r = np.asarray(r, dtype=np.float64)
+    candidates = np.flatnonzero(r > 0)
+    ranked = candidates[np.argsort(-r[candidates], kind="stable")]
+    return np.sort(ranked[:m])
+
+
+def token_mixture(log_r: torch.Tensor, router_logits: torch.Tensor, gamma: float) -> torch.Tensor:
+    """alpha (..., m) = softmax(log r + u / gamma) over the last axis: ``log_r`` (m,) the client's log
+    responsibilities of its top-m experts, ``router_logits`` (..., m) the router's u for every token.
+
+    gamma -> infinity gives every token the domain mixture r (renormalised over the top-m); small gamma lets the
+    router pick per token.
+    """
+    if not gamma > 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    if router_logits.shape[-1] != log_r.shape[-1]:
+        raise ValueError(f"{router_logits.shape[-1]} router logits per token for {log_r.shape[-1]} experts")
+    return torch.softmax(log_r + router_logits / gamma, dim=-1)

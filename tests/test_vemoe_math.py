@@ -1,0 +1,154 @@
+"""VEMoE's math without Flower: responsibilities and routing, the responsibility-weighted aggregate from sums
+(against explicit loops), and the pool decisions on crafted numbers."""
+
+import numpy as np
+import pytest
+import torch
+
+from strategies.vemoe.pool import (
+    RESPONSIBILITY,
+    VOTE,
+    birth_slot,
+    client_payload,
+    experts_from_sum,
+    merge,
+    merge_pairs,
+    newborn,
+    prune,
+    slot_key,
+)
+from strategies.vemoe.routing import responsibilities, token_mixture, top_m
+
+LAYER = "model.layers.0.self_attn.q_proj"
+
+
+def expert(rng, scale=1.0):
+    return {
+        f"{LAYER}.lora_A.weight": (scale * rng.normal(size=(2, 4))).astype(np.float32),
+        f"{LAYER}.lora_B.weight": (scale * rng.normal(size=(3, 2))).astype(np.float32),
+    }
+
+
+def test_responsibilities_are_a_softmax_of_minus_loss_over_active_slots():
+    losses = np.array([1.0, 3.0, np.nan, 2.0])
+    active = np.array([True, True, False, True])
+    r = responsibilities(losses, active, temperature=0.5)
+    expected = np.exp(-np.array([1.0, 3.0, 2.0]) / 0.5)
+    assert r[2] == 0 and r.sum() == pytest.approx(1.0)
+    assert r[[0, 1, 3]] == pytest.approx(expected / expected.sum())
+    assert r[0] > r[3] > r[1]  # the expert with the lowest probe loss is the most responsible
+    with pytest.raises(ValueError, match="finite"):
+        responsibilities(np.array([1.0, np.inf]), np.array([True, True]), 1.0)
+    with pytest.raises(ValueError, match="no active"):
+        responsibilities(np.array([1.0]), np.array([False]), 1.0)
+
+
+def test_top_m_takes_the_most_responsible_active_slots():
+    r = np.array([0.1, 0.0, 0.4, 0.1, 0.4])
+    assert top_m(r, 2).tolist() == [2, 4]
+    assert top_m(r, 3).tolist() == [0, 2, 4]  # a tie goes to the lower slot
+    assert top_m(r, 9).tolist() == [0, 2, 3, 4]  # never an empty slot
+
+
+def test_token_mixture_goes_from_the_router_to_the_domain_mixture_as_gamma_grows():
+    r = torch.tensor([0.7, 0.3])
+    u = torch.tensor([[5.0, -5.0], [-5.0, 5.0]])
+    sharp = token_mixture(r.log(), u, gamma=0.1)
+    flat = token_mixture(r.log(), u, gamma=1e6)
+    assert torch.allclose(sharp.sum(-1), torch.ones(2))
+    assert sharp[0, 0] > 0.99 and sharp[1, 1] > 0.99  # the router decides per token
+    assert torch.allclose(flat, r.expand(2, 2), atol=1e-4)  # every token gets r
+    with pytest.raises(ValueError, match="router logits"):
+        token_mixture(r.log(), torch.zeros(2, 3), 1.0)
+
+
+def test_the_aggregate_from_the_payload_sum_is_the_responsibility_weighted_mean():
+    rng = np.random.default_rng(0)
+    k_max, template = 4, expert(rng)
+    previous = [expert(rng) for _ in range(k_max)]
+    clients = []
+    for r in ([0.6, 0.4, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0], [0.2, 0.0, 0.8, 0.0]):
+        r = np.array(r)
+        trained = {k: expert(rng) for k in np.flatnonzero(r)}
+        clients.append((r, trained, client_payload(trained, r, template)))
+    assert len({tuple(sorted((k, v.shape) for k, v in p.items())) for _, _, p in clients}) == 1  # one shape
+    total = {key: sum(p[key].astype(np.float64) for _, _, p in clients) for key in clients[0][2]}
+    experts, totals = experts_from_sum(total, previous)
+    assert totals == pytest.approx([0.8, 0.9, 1.3, 0.0])
+    for k in range(3):
+        for name in template:
+            explicit = sum(r[k] * t[k][name] for r, t, _ in clients if k in t) / sum(r[k] for r, _, _ in clients)
+            assert experts[k][name] == pytest.approx(explicit, rel=1e-5, abs=1e-6)
+    assert experts[3] is previous[3]  # nobody was responsible for slot 3: it stays as it was
+    mean = {key: value / 3 for key, value in total.items()}  # a group mean gives the same experts
+    assert all(np.allclose(a[n], b[n]) for a, b in zip(experts_from_sum(mean, previous)[0], experts) for n in a)
+
+
+def test_a_payload_refuses_what_the_server_could_not_divide_back():
+    rng = np.random.default_rng(1)
+    template = expert(rng)
+    with pytest.raises(ValueError, match="sum to 1"):
+        client_payload({0: template}, np.array([0.5, 0.2]), template)
+    with pytest.raises(ValueError, match="no trained expert"):
+        client_payload({0: template}, np.array([0.5, 0.5]), template)
+    with pytest.raises(ValueError, match="candidate"):
+        client_payload({0: template}, np.array([1.0, 0.0]), template, vote=True)
+
+
+def test_a_newborn_is_the_mean_of_the_voters_candidates():
+    rng = np.random.default_rng(2)
+    template, a, b = expert(rng), expert(rng), expert(rng)
+    r = np.array([1.0, 0.0])
+    payloads = [
+        client_payload({0: template}, r, template, vote=True, candidate=a),
+        client_payload({0: template}, r, template, vote=True, candidate=b),
+        client_payload({0: template}, r, template),
+    ]
+    total = {key: sum(p[key] for p in payloads) for key in payloads[0]}
+    assert total[VOTE][0] == 2 and total[RESPONSIBILITY].tolist() == [3.0, 0.0]
+    born = newborn(total, total[VOTE][0], template)
+    assert all(np.allclose(born[n], (a[n] + b[n]) / 2) for n in template)
+    assert slot_key(1, "x") == "expert-1.x"
+
+
+def test_prune_needs_patience_and_never_empties_the_pool():
+    active = np.array([True, True, True, False])
+    low = np.zeros(4, dtype=int)
+    totals = np.array([2.0, 0.9, 0.05, 0.0])  # slot 2 holds 1.7 % of the mass
+    active, low, pruned = prune(totals, active, low, threshold=0.05, patience=2)
+    assert pruned == [] and low.tolist() == [0, 0, 1, 0]
+    active, low, _ = prune(np.array([2.0, 0.9, 0.5, 0.0]), active, low, 0.05, 2)  # recovered: the count restarts
+    assert low.tolist() == [0, 0, 0, 0]
+    for _ in range(2):
+        active, low, pruned = prune(totals, active, low, 0.05, 2)
+    assert pruned == [2] and active.tolist() == [True, True, False, False]
+    alone, _, pruned = prune(np.zeros(4), np.array([True, False, False, False]), np.array([5, 0, 0, 0]), 0.05, 2)
+    assert alone.tolist() == [True, False, False, False] and pruned == []
+
+
+def test_merge_finds_near_duplicates_and_weights_by_responsibility():
+    rng = np.random.default_rng(3)
+    a = expert(rng)
+    twin = {n: v * 1.01 for n, v in a.items()}  # the same delta-W direction
+    other = expert(rng)
+    experts = [a, other, twin, expert(rng)]
+    pairs = merge_pairs(experts, np.array([True, True, True, False]), threshold=0.95)
+    assert [(k, m) for k, m, _ in pairs] == [(0, 2)] and pairs[0][2] == pytest.approx(1.0)
+    merged = merge(a, twin, r_kept=3.0, r_merged=1.0)
+    assert all(np.allclose(merged[n], 0.75 * a[n] + 0.25 * twin[n]) for n in a)
+
+
+def test_the_pool_never_exceeds_k_max():
+    rng = np.random.default_rng(4)
+    k_max, active, low = 5, np.array([True, True, False, False, False]), np.zeros(5, dtype=int)
+    births = 0
+    for _ in range(200):
+        slot = birth_slot(votes=int(rng.integers(0, 4)), active=active, min_votes=2)
+        if slot is not None:
+            assert not active[slot]
+            active[slot], births = True, births + 1
+        totals = np.where(active, rng.exponential(size=k_max) * (rng.random(k_max) > 0.3), 0.0)
+        active, low, _ = prune(totals, active, low, threshold=0.1, patience=2)
+        assert 1 <= active.sum() <= k_max
+    assert births > k_max  # slots were freed and reused
+    assert birth_slot(votes=10, active=np.ones(k_max, dtype=bool), min_votes=2) is None
