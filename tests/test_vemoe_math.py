@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.adapters.experts import token_mixture
 from strategies.vemoe.pool import (
     RESPONSIBILITY,
     VOTE,
@@ -17,7 +18,7 @@ from strategies.vemoe.pool import (
     prune,
     slot_key,
 )
-from strategies.vemoe.routing import responsibilities, token_mixture, top_m
+from strategies.vemoe.routing import responsibilities, top_m
 
 LAYER = "model.layers.0.self_attn.q_proj"
 

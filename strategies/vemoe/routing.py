@@ -5,15 +5,13 @@ For client i with active experts k (slots of the pool that hold an expert):
 - responsibilities r_ik = softmax_k(-loss_ik / T) over the active experts, from each expert's loss on a probe
   batch of the client's own data; an inactive slot has r_ik = 0;
 - the client's top-m set: the m active experts of largest r_ik, which it trains and routes between;
-- token mixture alpha_tk = softmax_k(log r_ik + u_tk / gamma) over the top-m, u_tk a router's logit for token t.
-
-NumPy for the per-round numbers, torch for the per-token mixture (it runs inside the forward pass).
+- token mixture alpha_tk = softmax_k(log r_ik + u_tk / gamma) over the top-m, u_tk a router's logit for token t:
+  it runs inside the forward pass, so it lives with the adapter (``common.adapters.experts.layer.token_mixture``).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 def responsibilities(probe_losses: np.ndarray, active: np.ndarray, temperature: float) -> np.ndarray:
@@ -47,17 +45,3 @@ def top_m(r: np.ndarray, m: int) -> np.ndarray:
     candidates = np.flatnonzero(r > 0)
     ranked = candidates[np.argsort(-r[candidates], kind="stable")]
     return np.sort(ranked[:m])
-
-
-def token_mixture(log_r: torch.Tensor, router_logits: torch.Tensor, gamma: float) -> torch.Tensor:
-    """alpha (..., m) = softmax(log r + u / gamma) over the last axis: ``log_r`` (m,) the client's log
-    responsibilities of its top-m experts, ``router_logits`` (..., m) the router's u for every token.
-
-    gamma -> infinity gives every token the domain mixture r (renormalised over the top-m); small gamma lets the
-    router pick per token.
-    """
-    if not gamma > 0:
-        raise ValueError(f"gamma must be > 0, got {gamma}")
-    if router_logits.shape[-1] != log_r.shape[-1]:
-        raise ValueError(f"{router_logits.shape[-1]} router logits per token for {log_r.shape[-1]} experts")
-    return torch.softmax(log_r + router_logits / gamma, dim=-1)
