@@ -14,6 +14,7 @@ from common.adapters.experts import (
     detach_experts,
     experts_disabled,
     get_expert,
+    get_routers,
     routed,
     set_expert,
     trainable,
@@ -128,3 +129,51 @@ def test_experts_train_on_a_4bit_base(tiny_llama_dir):
             losses.append(loss.item())
     # the random tiny Llama's loss is ~ ln(49152); a small but steady fall is what the experts can do on it
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.05, losses
+
+
+def test_the_adapter_kind_trains_the_routed_slots_keeps_its_routers_and_saves_loadable_experts(
+    tiny_llama_dir, tmp_path
+):
+    from flwr.app import RecordDict
+    from peft import PeftModel
+
+    from common.adapters import ClientState
+    from common.adapters.experts.adapter import ROUTERS, ExpertsAdapter, split_slots
+    from strategies import load_run_config
+
+    cfg = load_run_config({}).with_section(ExpertsSection(k_max=3, r=2, alpha=16.0, top_m=2))
+    kind = ExpertsAdapter(_load(tiny_llama_dir), cfg)
+    assert len(split_slots(kind.initial, 3)) == 3
+    state = ClientState(RecordDict(), ExpertsAdapter.state_keys)
+    kind.begin(state, kind.initial)
+    ids = IDS
+    losses = [kind.probe_loss(slot, lambda m: m(ids, labels=ids).loss) for slot in range(3)]
+    assert all(np.isfinite(losses)) and np.allclose(losses, losses[0])  # B = 0: every new expert is the base
+    kind.route([0, 2], [0.5, 0.5])
+    kind.prepare_training(None)
+    # weight decay 0, as train.weight-decay's default: decay would also shrink the slots no token was routed to
+    # (their payload share is r = 0 either way)
+    opt = torch.optim.AdamW([p for p in kind.model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.0)
+    for _ in range(3):
+        loss = kind.model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    sent, _ = kind.outgoing(None)
+    moved = [
+        s
+        for s, (now, then) in enumerate(zip(split_slots(sent, 3), split_slots(kind.initial, 3)))
+        if any(not np.array_equal(now[k], then[k]) for k in now)
+    ]
+    assert moved == [0, 2]  # only the routed experts trained
+    kind.end(state)
+    routers = state.get(ROUTERS)
+    assert routers and any(np.any(v) for v in routers.values())  # the router learned, and is kept on the client
+    kind.begin(state, kind.initial)  # the next message: experts from the server, routers from the state
+    assert all(np.array_equal(get_routers(kind.model)[k], routers[k]) for k in routers)
+    with pytest.raises(ValueError, match="server must send"):
+        kind.begin(state, None)
+    out = ExpertsAdapter.save_server_copy(sent, cfg, str(tiny_llama_dir), tmp_path / "pool")
+    assert sorted(p.name for p in out.iterdir()) == ["expert-0", "expert-2"]  # slot 1 never trained: B = 0
+    peft = PeftModel.from_pretrained(_load(tiny_llama_dir), str(out / "expert-0"))
+    assert torch.isfinite(peft(ids).logits).all()

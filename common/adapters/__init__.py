@@ -1,18 +1,20 @@
 """Adapter kinds trained on top of a frozen (4-bit) base model. Only their parameters ever leave a client.
 
-Each kind is one place (``lora/``, ``pqlora/``: config, per-layer math, model surgery, the client-side kind) and
-implements ``base.AdapterKind``; ``ADAPTER_KINDS`` is the one list of them. The dual-path kinds (``lora/dual.py``,
-``pqlora/dual.py``) are thin subclasses that add the personal LoRA of ``personal/``, which never travels.
+Each kind is one place (``lora/``, ``pqlora/``, ``experts/``: config, per-layer math, model surgery, the
+client-side kind) and implements ``base.AdapterKind``; ``ADAPTER_KINDS`` is the one list of them. The dual-path
+kinds (``lora/dual.py``, ``pqlora/dual.py``) are thin subclasses that add the personal LoRA of ``personal/``, which
+never travels. ``experts/`` is VEMoE's pool of LoRA experts with token routing (no strategy trains it yet).
 """
 
 from .base import AdapterKind, Arrays, ClientState, UndeclaredStateError
+from .experts.adapter import ExpertsAdapter
 from .lora import LoraAdapter, attach_lora, get_adapter_arrays, lora_config, save_peft_adapter, set_adapter_arrays
 from .lora.dual import LoraDualAdapter
 from .pqlora import PQLoraAdapter
 from .pqlora.dual import PQLoraDualAdapter
 
 ADAPTER_KINDS: dict[str, type[AdapterKind]] = {
-    kind.name: kind for kind in (LoraAdapter, PQLoraAdapter, LoraDualAdapter, PQLoraDualAdapter)
+    kind.name: kind for kind in (LoraAdapter, PQLoraAdapter, LoraDualAdapter, PQLoraDualAdapter, ExpertsAdapter)
 }
 
 

@@ -1,5 +1,5 @@
 """A pool of LoRA experts with token routing (VEMoE's adapter, seed 002): ``config.py`` (what), ``layer.py`` (the
-per-layer math), ``model.py`` (the surgery). The adapter kind that a client trains is still to come (issue 32)."""
+per-layer math), ``model.py`` (the surgery), ``adapter.py`` (the kind a client trains: ``ExpertsAdapter``)."""
 
 from .config import ExpertsSection
 from .layer import ExpertLinear, ExpertRouting, token_mixture
