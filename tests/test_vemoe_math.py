@@ -92,8 +92,8 @@ def test_a_payload_refuses_what_the_server_could_not_divide_back():
         client_payload({0: template}, np.array([0.5, 0.2]), template)
     with pytest.raises(ValueError, match="no trained expert"):
         client_payload({0: template}, np.array([0.5, 0.5]), template)
-    with pytest.raises(ValueError, match="candidate"):
-        client_payload({0: template}, np.array([1.0, 0.0]), template, vote=True)
+    with pytest.raises(ValueError, match="free slot"):
+        client_payload({0: template}, np.array([1.0, 0.0]), template, birth_slot=0, candidate=template)
 
 
 def test_a_newborn_is_the_mean_of_the_voters_candidates():
@@ -101,14 +101,16 @@ def test_a_newborn_is_the_mean_of_the_voters_candidates():
     template, a, b = expert(rng), expert(rng), expert(rng)
     r = np.array([1.0, 0.0])
     payloads = [
-        client_payload({0: template}, r, template, vote=True, candidate=a),
-        client_payload({0: template}, r, template, vote=True, candidate=b),
+        client_payload({0: template}, r, template, birth_slot=1, candidate=a),
+        client_payload({0: template}, r, template, birth_slot=1, candidate=b),
         client_payload({0: template}, r, template),
     ]
+    assert len({tuple(sorted(p)) for p in payloads}) == 1  # a vote does not change the payload's shape
     total = {key: sum(p[key] for p in payloads) for key in payloads[0]}
     assert total[VOTE][0] == 2 and total[RESPONSIBILITY].tolist() == [3.0, 0.0]
-    born = newborn(total, total[VOTE][0], template)
+    born = newborn(total, total[VOTE][0], 1, template)
     assert all(np.allclose(born[n], (a[n] + b[n]) / 2) for n in template)
+    assert all(np.allclose(total[slot_key(0, n)], 3 * template[n]) for n in template)  # slot 0 unaffected
     assert slot_key(1, "x") == "expert-1.x"
 
 

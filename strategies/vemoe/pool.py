@@ -3,10 +3,12 @@ sends, the experts recovered from its sum, and the open-world pool decisions (pr
 
 Server-oblivious aggregation (seed 002): client i sends, for EVERY slot k of the pool (K_max of them, so that
 SecAgg+ sums vectors of one shape), r_ik * theta_ik (its trained expert k weighted by its responsibility; zeros
-where r_ik = 0) and r_ik itself, plus a birth vote v_i in {0, 1} and v_i * (its candidate expert). From the sum
-over clients alone the server sets theta_k = sum_i r_ik theta_ik / sum_i r_ik and learns each expert's total
-responsibility sum_i r_ik, never which client uses which expert. The same ratios hold for group MEANS (the common
-1/n cancels); vote counts need the sum.
+where r_ik = 0) and r_ik itself, plus a birth vote v_i in {0, 1}. A voter puts its candidate expert into the free
+slot the server named for births (where every r_ik is 0, so nothing else is there), so the payload keeps the
+shape of the pool. From the sum over clients alone the server sets theta_k = sum_i r_ik theta_ik / sum_i r_ik,
+learns each expert's total responsibility sum_i r_ik and the newborn sum_i v_i c_i / sum_i v_i, never which
+client uses which expert or voted. The expert ratios hold for group MEANS too (the common 1/n cancels); the vote
+count needs the sum.
 
 A LoRA expert is a dict of peft arrays (``...lora_A.weight`` / ``...lora_B.weight`` per layer).
 """
@@ -17,40 +19,48 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from common.adapters.experts.adapter import slot_prefix
 from common.adapters.lora.ranks import layers
 
 Arrays = dict[str, np.ndarray]
-RESPONSIBILITY, VOTE, CANDIDATE = "responsibility", "birth-vote", "birth-candidate"
+RESPONSIBILITY, VOTE = "responsibility", "birth-vote"
 
 
 def slot_key(slot: int, name: str) -> str:
-    return f"expert-{slot}.{name}"
+    """A slot's array on the wire: the expert-pool adapter's naming (``common.adapters.experts.adapter``)."""
+    return f"{slot_prefix(slot)}{name}"
 
 
 def client_payload(
-    trained: dict[int, Arrays], r: np.ndarray, template: Arrays, vote: bool = False, candidate: Arrays | None = None
+    trained: dict[int, Arrays],
+    r: np.ndarray,
+    template: Arrays,
+    birth_slot: int | None = None,
+    candidate: Arrays | None = None,
 ) -> Arrays:
     """One client's payload: r_k * theta_k for every slot (``trained`` holds the experts it trained, by slot; any
-    other slot is zeros), r, the vote and vote * candidate. Every array has ``template``'s names and shapes, so
-    every client's payload has the same length."""
+    other slot is zeros), r and the vote; a voter (``candidate`` given) puts its candidate into ``birth_slot``, a
+    slot where r is 0. Every array has ``template``'s names and shapes, so every payload has the same length."""
     r = np.asarray(r, dtype=np.float64)
     if r.ndim != 1 or np.any(r < 0) or not np.isclose(r.sum(), 1.0):
         raise ValueError(f"responsibilities must be >= 0 and sum to 1, got {r.tolist()}")
     if missing := [k for k, value in enumerate(r) if value > 0 and k not in trained]:
         raise ValueError(f"slots {missing} carry responsibility but no trained expert")
-    if vote and candidate is None:
-        raise ValueError("a birth vote needs its candidate expert")
+    if candidate is not None and (birth_slot is None or not 0 <= birth_slot < len(r) or r[birth_slot] != 0):
+        raise ValueError(f"a candidate goes into a free slot (r = 0) the server named, not {birth_slot}")
     out: Arrays = {}
     for slot in range(len(r)):
         expert = trained.get(slot)
         for name, shape in ((n, np.shape(a)) for n, a in template.items()):
-            value = np.zeros(shape) if expert is None or r[slot] == 0 else r[slot] * np.asarray(expert[name])
+            if slot == birth_slot and candidate is not None:
+                value = np.asarray(candidate[name])
+            elif expert is None or r[slot] == 0:
+                value = np.zeros(shape)
+            else:
+                value = r[slot] * np.asarray(expert[name])
             out[slot_key(slot, name)] = np.asarray(value, dtype=np.float32)
     out[RESPONSIBILITY] = r.astype(np.float32)
-    out[VOTE] = np.array([1.0 if vote else 0.0], dtype=np.float32)
-    for name, array in template.items():
-        value = np.asarray(candidate[name]) if vote and candidate is not None else np.zeros(np.shape(array))
-        out[f"{CANDIDATE}.{name}"] = np.asarray(value, dtype=np.float32)
+    out[VOTE] = np.array([0.0 if candidate is None else 1.0], dtype=np.float32)
     return out
 
 
@@ -76,11 +86,12 @@ def experts_from_sum(
     return experts, totals
 
 
-def newborn(total: Arrays, votes: float, template: Arrays) -> Arrays:
-    """The mean of the voters' candidates, sum_i v_i c_i / sum_i v_i, from a payload SUM with ``votes`` voters."""
+def newborn(total: Arrays, votes: float, slot: int, template: Arrays) -> Arrays:
+    """The mean of the voters' candidates, sum_i v_i c_i / sum_i v_i, from the birth slot of a payload SUM with
+    ``votes`` voters."""
     if votes <= 0:
         raise ValueError("no votes, no newborn")
-    return {name: (np.asarray(total[f"{CANDIDATE}.{name}"]) / votes).astype(np.float32) for name in template}
+    return {name: (np.asarray(total[slot_key(slot, name)]) / votes).astype(np.float32) for name in template}
 
 
 def prune(
