@@ -1,0 +1,36 @@
+"""VEMoE's run-config section (``vemoe.*``): how many experts start, how clients measure their responsibilities, and
+when the server gives birth to, prunes or merges an expert. The pool itself (slots, rank, routing) is the adapter's
+section, ``experts.*`` (``common.adapters.experts``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from pydantic import Field
+
+from common.adapters.experts import ExpertsSection
+from common.config import Section
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
+
+class VemoeSection(Section):
+    """VEMoE (seed 002): responsibilities from probe losses, one secure sum for every expert, open-world pool."""
+
+    key: ClassVar[str] = "vemoe"
+    k_init: int = Field(2, ge=1)  # experts active in round 1 (at most experts.k-max)
+    probe_examples: int = Field(4, ge=1)  # a client's probe batch: each active expert's loss on it gives r
+    temperature: float = Field(0.5, gt=0, allow_inf_nan=False)  # r = softmax(-probe loss / temperature)
+    # a client votes for a new expert when its best expert's probe loss is above this multiple of the best it has
+    # seen in earlier rounds: the pool has drifted away from it (relative, since losses differ by task)
+    birth_threshold: float = Field(1.05, gt=1, allow_inf_nan=False)
+    birth_min_votes: int = Field(2, ge=1)  # votes a birth needs (a free slot too)
+    prune_threshold: float = Field(0.05, ge=0, lt=1, allow_inf_nan=False)  # share of the round's responsibility
+    prune_patience: int = Field(2, ge=1)  # rounds below prune-threshold before the slot is freed
+    merge_threshold: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)  # cosine of delta-W above which two merge
+
+    def check(self, cfg: RunConfig) -> None:
+        pool = cfg.section(ExpertsSection)
+        if self.k_init > pool.k_max:
+            raise ValueError(f"vemoe.k-init: {self.k_init} exceeds experts.k-max={pool.k_max}")

@@ -1,0 +1,174 @@
+"""VEMoE's server half: one group of every client, whose sum gives every expert of the pool, and the open-world
+decisions taken from that sum alone (seed 002; the math is ``pool.py``).
+
+Each round every client is sent the whole pool (``expert-<slot>.*`` for every slot), the active slots
+(``responsibility``: 1 for an active slot, 0 for a free one) and the slot reserved for a birth (instruction config
+``vemoe-birth-slot``, -1 when the pool is full). It replies with the constant-length payload of ``pool.py``; all
+replies are one group (SecAgg+ in secure mode: at least 3 members), weighted equally, so the group mean times the
+number of contributors is the sum. From it: theta_k = sum r theta / sum r per slot, then prune (little
+responsibility for ``prune-patience`` rounds), merge (near-duplicate delta-W), birth (``birth-min-votes`` voters'
+candidates averaged into the reserved slot); never more than K_max experts. Every event goes into the round's
+aggregate metrics row (``vemoe.events``) and the log.
+
+What the server learns: in plain mode every client's payload (its responsibility vector, the experts it trained
+weighted by them, and whether it voted); in secure mode only their sum: each expert's total responsibility and
+responsibility-weighted aggregate, and the number of votes with the mean candidate, never which client uses which
+expert or voted.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from common.adapters.experts import ExpertsSection
+from common.adapters.experts.adapter import join_slots, split_slots
+from common.logs import get_logger
+
+from ..base import WEIGHT_EQUALLY, Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
+from .config import VemoeSection
+from .pool import RESPONSIBILITY, VOTE, birth_slot, experts_from_sum, merge, merge_pairs, newborn, prune
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
+log = get_logger("tessera.server")
+BIRTH_SLOT = "vemoe-birth-slot"  # train-instruction config key: the free slot a voter puts its candidate in
+ACTIVE, LOW_ROUNDS = "active", "low-rounds"  # state keys beside the pool's experts
+
+
+class VEMoE(Strategy):
+    """A pool of LoRA experts aggregated by responsibility from one sum per round, with birth, prune and merge.
+
+    State: ``pool`` (every slot's expert, wire names), ``active`` and ``low-rounds`` (per slot).
+    """
+
+    name = "vemoe"
+
+    def __init__(self, pool: ExpertsSection, cfg: VemoeSection) -> None:
+        self.pool_cfg, self.cfg = pool, cfg
+        self.experts: list[Arrays] = []
+        self.active = np.zeros(pool.k_max, dtype=bool)
+        self.active[: cfg.k_init] = True
+        self.low_rounds = np.zeros(pool.k_max, dtype=np.int64)
+        self.model = ""
+        self.members: set[int] = set()
+        self.events: list[dict[str, Any]] = []
+        self.totals = np.zeros(pool.k_max)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> VEMoE:
+        return cls(cfg.section(ExpertsSection), cfg.section(VemoeSection))
+
+    def initialise(self, clients: dict[int, ClientInfo]) -> None:
+        for nid, info in sorted(clients.items()):
+            experts = split_slots(info.initial, self.pool_cfg.k_max)
+            if not self.experts:
+                self.experts, self.model = experts, info.model
+            elif _shapes(experts[0]) != _shapes(self.experts[0]):
+                raise ValueError(
+                    f"vemoe: node {nid} ({info.model}) has experts of other shapes than {self.model}'s: one pool "
+                    "needs one base model"
+                )
+            self.members.add(nid)
+
+    def _start(self) -> Arrays:
+        return {
+            **join_slots(self.experts),
+            RESPONSIBILITY: self.active.astype(np.float32),
+            VOTE: np.zeros(1, dtype=np.float32),
+        }
+
+    def _free_slot(self) -> int:
+        """The slot a birth would take this round (the lowest free one), -1 when the pool is full."""
+        slot = birth_slot(self.cfg.birth_min_votes, self.active, self.cfg.birth_min_votes)
+        return -1 if slot is None else slot
+
+    def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
+        start = self._start()
+        members = {nid: start for nid in node_ids if nid in self.members}
+        if not members:
+            return []
+        return [
+            Group(
+                "pool",
+                members,
+                config={BIRTH_SLOT: self._free_slot()},
+                weight_by=WEIGHT_EQUALLY,
+                max_weight=1.0,
+            )
+        ]
+
+    def update(self, server_round: int, results: list[GroupResult]) -> None:
+        self.events = []
+        for result in results:
+            if result.mean is None or not result.contributors:
+                continue
+            n = len(result.contributors)
+            total = {k: np.asarray(v, dtype=np.float64) * n for k, v in result.mean.items()}
+            reserved = self._free_slot()
+            self.experts, self.totals = experts_from_sum(total, self.experts)
+            self._prune(server_round)
+            self._merge(server_round)
+            votes = float(total[VOTE][0])
+            if reserved >= 0 and votes >= self.cfg.birth_min_votes:  # prune and merge only free slots: still free
+                self.experts[reserved] = newborn(total, votes, reserved, self.experts[reserved])
+                self.active[reserved] = True
+                self._event(server_round, "birth", reserved, votes=votes)
+            elif votes:
+                log.info("round %d: vemoe: %g birth votes, %d needed", server_round, votes, self.cfg.birth_min_votes)
+
+    def _prune(self, server_round: int) -> None:
+        mass = max(float(self.totals[self.active].sum()), 1e-12)
+        self.active, self.low_rounds, pruned = prune(
+            self.totals, self.active, self.low_rounds, self.cfg.prune_threshold, self.cfg.prune_patience
+        )
+        for slot in pruned:
+            self._event(server_round, "prune", slot, share=float(self.totals[slot] / mass))
+
+    def _merge(self, server_round: int) -> None:
+        for kept, merged, cosine in merge_pairs(self.experts, self.active, self.cfg.merge_threshold):
+            self.experts[kept] = merge(
+                self.experts[kept], self.experts[merged], float(self.totals[kept]), float(self.totals[merged])
+            )
+            self.active[merged] = False
+            self.low_rounds[merged] = 0
+            self._event(server_round, "merge", merged, into=kept, cosine=cosine)
+
+    def _event(self, server_round: int, kind: str, slot: int, **numbers: Any) -> None:
+        event = {"round": server_round, "kind": kind, "slot": slot, **numbers}
+        self.events.append(event)
+        log.info("round %d: vemoe %s of slot %d: %s", server_round, kind, slot, numbers)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "vemoe": {
+                "active": self.active.astype(int).tolist(),
+                "responsibility": self.totals.round(6).tolist(),
+                "experts": int(self.active.sum()),
+                "events": self.events,
+            }
+        }
+
+    def eval_arrays(self, node_id: int) -> Arrays:
+        return self._start()
+
+    def state_dict(self) -> dict[str, Arrays]:
+        return {
+            "pool": join_slots(self.experts),
+            "slots": {ACTIVE: self.active.astype(np.int64), LOW_ROUNDS: self.low_rounds.copy()},
+        }
+
+    def load_state_dict(self, state: dict[str, Arrays]) -> None:
+        self.experts = split_slots(state["pool"], self.pool_cfg.k_max)
+        self.active = np.asarray(state["slots"][ACTIVE]).astype(bool)
+        self.low_rounds = np.asarray(state["slots"][LOW_ROUNDS]).astype(np.int64)
+
+    def final_adapters(self) -> list[FinalAdapter]:
+        """The pool (saved as one PEFT LoRA per trained expert, ``adapter/expert-<slot>/``)."""
+        return [FinalAdapter("", self.model, join_slots(self.experts))]
+
+
+def _shapes(arrays: Arrays) -> dict[str, tuple[int, ...]]:
+    return {k: np.shape(v) for k, v in arrays.items()}

@@ -1,0 +1,113 @@
+"""VEMoE's server half without Flower: one group of everyone, experts from the group mean, and the open-world
+events (prune, merge, birth) from crafted payloads; checkpoint round trip."""
+
+import numpy as np
+import pytest
+
+from common.adapters.experts import ExpertsSection
+from common.adapters.experts.adapter import join_slots, split_slots
+from strategies.base import ClientInfo, GroupResult
+from strategies.vemoe.config import VemoeSection
+from strategies.vemoe.pool import RESPONSIBILITY, client_payload
+from strategies.vemoe.server import BIRTH_SLOT, VEMoE
+
+LAYER = "model.layers.0.self_attn.q_proj"
+K = 4
+
+
+def expert(rng, scale=1.0):
+    return {
+        f"{LAYER}.lora_A.weight": (scale * rng.normal(size=(2, 6))).astype(np.float32),
+        f"{LAYER}.lora_B.weight": (scale * rng.normal(size=(5, 2))).astype(np.float32),
+    }
+
+
+@pytest.fixture
+def server():
+    rng = np.random.default_rng(0)
+    strategy = VEMoE(
+        ExpertsSection(k_max=K, r=2, top_m=2),
+        VemoeSection(k_init=2, birth_min_votes=2, prune_threshold=0.1, prune_patience=2, merge_threshold=0.99),
+    )
+    initial = join_slots([expert(rng) for _ in range(K)])
+    strategy.initialise({nid: ClientInfo(nid, nid, "smol", initial) for nid in (11, 12, 13)})
+    return strategy
+
+
+def mean_of(payloads):
+    return {k: np.mean([p[k] for p in payloads], axis=0).astype(np.float32) for k in payloads[0]}
+
+
+def test_every_client_is_one_group_sent_the_pool_and_the_birth_slot(server):
+    (group,) = server.train_groups(1, [11, 12, 13, 99])  # 99 never answered the initial query
+    assert group.members == [11, 12, 13] and group.weight_by == "equal"
+    assert group.start[11][RESPONSIBILITY].tolist() == [1, 1, 0, 0] and group.config[BIRTH_SLOT] == 2
+
+
+def test_the_update_is_the_responsibility_weighted_mean_and_a_birth_takes_the_free_slot(server):
+    rng = np.random.default_rng(1)
+    template = server.experts[0]
+    trained = [{0: expert(rng), 1: expert(rng)} for _ in range(3)]
+    rs = [np.array([0.7, 0.3, 0, 0]), np.array([0.2, 0.8, 0, 0]), np.array([1.0, 0, 0, 0])]
+    candidates = [expert(rng), expert(rng)]
+    payloads = [
+        client_payload(trained[0], rs[0], template, birth_slot=2, candidate=candidates[0]),
+        client_payload(trained[1], rs[1], template, birth_slot=2, candidate=candidates[1]),
+        client_payload({0: trained[2][0]}, rs[2], template),
+    ]
+    server.update(1, [GroupResult("pool", mean_of(payloads), 3.0, [11, 12, 13])])
+    for k in (0, 1):
+        total = sum(r[k] for r in rs)
+        for name in template:
+            explicit = sum(r[k] * t[k][name] for r, t in zip(rs, trained) if r[k]) / total
+            assert server.experts[k][name] == pytest.approx(explicit, rel=1e-4, abs=1e-5)
+    assert server.active.tolist() == [True, True, True, False]  # two votes: slot 2 is born
+    assert all(
+        np.allclose(server.experts[2][n], (candidates[0][n] + candidates[1][n]) / 2, atol=1e-6) for n in template
+    )
+    (event,) = server.report()["vemoe"]["events"]
+    assert event["kind"] == "birth" and event["slot"] == 2 and event["votes"] == pytest.approx(2.0)
+
+
+def test_an_unused_expert_is_pruned_after_its_patience_and_duplicates_merge(server):
+    rng = np.random.default_rng(2)
+    template = server.experts[0]
+    twin = expert(rng)
+    near = {n: v * 1.001 for n, v in twin.items()}
+    for round_ in (1, 2):
+        payloads = [client_payload({0: twin, 1: near}, np.array([0.5, 0.5, 0, 0]), template) for _ in range(3)]
+        server.update(round_, [GroupResult("pool", mean_of(payloads), 3.0, [11, 12, 13])])
+        kinds = [e["kind"] for e in server.report()["vemoe"]["events"]]
+        if round_ == 1:
+            assert kinds == ["merge"] and server.active.tolist() == [True, False, False, False]
+    assert server.active.sum() == 1  # the pool never empties
+    server.active[:] = [True, True, False, False]
+    server.low_rounds[:] = 0
+    for round_ in (3, 4):
+        payloads = [client_payload({0: expert(rng)}, np.array([1.0, 0, 0, 0]), template) for _ in range(3)]
+        server.update(round_, [GroupResult("pool", mean_of(payloads), 3.0, [11, 12, 13])])
+    events = server.report()["vemoe"]["events"]
+    assert [(e["kind"], e["slot"]) for e in events] == [("prune", 1)] and server.active.tolist()[:2] == [True, False]
+
+
+def test_the_checkpoint_restores_the_pool_and_its_slots(server):
+    server.active[:] = [True, False, True, False]
+    server.low_rounds[:] = [0, 0, 1, 0]
+    state = server.state_dict()
+    fresh = VEMoE(server.pool_cfg, server.cfg)
+    fresh.load_state_dict(state)
+    assert fresh.active.tolist() == [True, False, True, False] and fresh.low_rounds.tolist() == [0, 0, 1, 0]
+    assert all(np.array_equal(a[n], b[n]) for a, b in zip(fresh.experts, server.experts) for n in a)
+    assert len(split_slots(server.final_adapters()[0].arrays, K)) == K
+
+
+def test_clients_of_another_base_model_are_refused(server):
+    rng = np.random.default_rng(3)
+    other = join_slots(
+        [
+            {f"{LAYER}.lora_A.weight": rng.normal(size=(2, 9)), f"{LAYER}.lora_B.weight": rng.normal(size=(5, 2))}
+            for _ in range(K)
+        ]
+    )
+    with pytest.raises(ValueError, match="one pool"):
+        server.initialise({20: ClientInfo(20, 20, "qwen", other)})
