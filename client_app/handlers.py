@@ -94,6 +94,7 @@ def train(msg: Message, context: Context) -> Message:
     arrays = read_train_arrays(msg.content, rt.strategy.wire_reference(rt, config))
     active = _active_blocks(config)
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
+    rt.strategy.ready(rt, config, training=True)
     rt.adapter.prepare_training(active)
     server_round = int(config.get("server-round", 1))
     settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
@@ -161,6 +162,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     rt.strategy.configure(rt, config)
     arrays = read_sent_adapter(msg.content.array_records[ARRAYS], rt.strategy.wire_reference(rt, config))
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
+    rt.strategy.ready(rt, config, training=False)
     server_round = _config_int(config, "server-round", -1)
     examples = rt.cfg.eval.examples_at(server_round, rt.cfg.num_server_rounds)  # more where verdicts are made
     metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train, examples))

@@ -91,6 +91,10 @@ class StrategyClient:
         """What the adapter starts this message from, given what the server sent (None: nothing); default: that."""
         return received
 
+    def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
+        """The adapter now holds what this message starts from: set up what depends on it before training
+        (``training``) or evaluation (VEMoE probes its experts and routes); default: nothing."""
+
     def report(self, rt: ClientRuntime, state: ClientState, server_round: int) -> tuple[Arrays, dict[str, Any]]:
         """This round's report (arrays and metrics) for a server half with ``wants_reports``."""
         raise ValueError(f"strategy '{self.cfg.strategy}' sends no reports")

@@ -99,8 +99,9 @@ def _register_builtin() -> None:
     from .local import SPEC as LOCAL
     from .mira import SPEC as MIRA
     from .simgrad import SPEC as SIMGRAD
+    from .vemoe import SPEC as VEMOE
 
-    for spec in (FEDAVG, FEDAVG_DUAL, FEDSA_LORA, SIMGRAD, LOCAL, MIRA, ATLAS):
+    for spec in (FEDAVG, FEDAVG_DUAL, FEDSA_LORA, SIMGRAD, LOCAL, MIRA, ATLAS, VEMOE):
         register(spec)
 
 

@@ -1,8 +1,17 @@
 """VEMoE (seed 002, Fed-VEMoE): a federated pool of LoRA experts with token routing, server-oblivious expert
 aggregation and open-world expert management.
 
-Built in steps (issue 32). Here so far: the math, as pure functions: ``routing.py`` (client: responsibilities from
-probe losses, the top-m experts, the token mixture) and ``pool.py`` (server: the constant-length payload, the
-experts from its sum, prune / merge / birth). Not yet: the expert adapter under ``common/adapters/``, the server
-and client halves, the config section and the registry entry, so ``strategy="vemoe"`` is still refused.
+``routing.py`` (responsibilities from probe losses, the top-m experts) and ``pool.py`` (the constant-length payload,
+the experts from its sum, prune / merge / birth) are its math; ``server.py`` and ``client.py`` its two halves;
+``config.py`` its section (``vemoe.*``). The pool of experts is the adapter kind ``experts``
+(``common.adapters.experts``, ``experts.*``).
 """
+
+from ..spec import StrategySpec
+from .client import VEMoEClient
+from .config import VemoeSection
+from .server import VEMoE
+
+SPEC = StrategySpec(name=VEMoE.name, server=VEMoE, client=VEMoEClient, adapter="experts", section=VemoeSection)
+
+__all__ = ["SPEC", "VEMoE", "VEMoEClient", "VemoeSection"]

@@ -45,6 +45,7 @@ class VEMoE(Strategy):
     """
 
     name = "vemoe"
+    reply_metrics = {"vemoe_top": int, "vemoe_vote": None}  # the routed slots and the birth vote (plain mode only)
 
     def __init__(self, pool: ExpertsSection, cfg: VemoeSection) -> None:
         self.pool_cfg, self.cfg = pool, cfg

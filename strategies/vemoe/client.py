@@ -1,0 +1,100 @@
+"""VEMoE's client half: probe every active expert on a batch of the client's own data, turn the losses into
+responsibilities r, route its tokens between its top-m experts, and send the constant-length payload of
+``pool.py`` (its trained experts weighted by r, r itself, and its birth vote with a candidate in the free slot).
+
+The client votes for a new expert when its best expert's probe loss is above ``vemoe.birth-threshold`` times the
+best it has seen in earlier rounds (the pool has drifted away from it); its candidate is its trained copy of its
+best expert. Its responsibilities and best loss stay in its state, so an evaluation routes as its training did.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, ClassVar
+
+import numpy as np
+
+from common.adapters.experts import ExpertsSection
+from common.adapters.experts.adapter import ExpertsAdapter, split_slots
+from common.training import batch_loss
+
+from ..base import Arrays
+from ..client import ClientRuntime, StrategyClient
+from .config import VemoeSection
+from .pool import RESPONSIBILITY, VOTE, client_payload
+from .routing import responsibilities, top_m
+from .server import BIRTH_SLOT
+
+ROUTE = "vemoe.route"  # client state: this client's responsibilities (K_max) and the best probe loss it has seen
+
+
+class VEMoEClient(StrategyClient):
+    """VEMoE on a client (see the module docstring)."""
+
+    state_keys: ClassVar[tuple[str, ...]] = (ROUTE,)
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.pool, self.vemoe = cfg.section(ExpertsSection), cfg.section(VemoeSection)
+        self.active = np.zeros(self.pool.k_max, dtype=bool)
+        self.birth_slot = -1
+        self.r = np.zeros(self.pool.k_max)
+        self.top: list[int] = []
+        self.vote = False
+
+    def _experts(self, rt: ClientRuntime) -> ExpertsAdapter:
+        if not isinstance(rt.adapter, ExpertsAdapter):
+            raise ValueError(f"vemoe trains the expert pool, not {type(rt.adapter).__name__}")
+        return rt.adapter
+
+    def wire_reference(self, rt: ClientRuntime, config: dict[str, Any]) -> Arrays:
+        k_max = self.pool.k_max
+        return {**rt.adapter.initial, RESPONSIBILITY: np.zeros(k_max, np.float32), VOTE: np.zeros(1, np.float32)}
+
+    def start(self, rt: ClientRuntime, received: Arrays | None) -> Arrays | None:
+        """The experts for the adapter; the active slots (sent as ``responsibility``: 1 or 0) kept for ``ready``."""
+        if received is None:
+            return None
+        self.active = np.asarray(received[RESPONSIBILITY]) > 0.5
+        return {k: v for k, v in received.items() if k not in (RESPONSIBILITY, VOTE)}
+
+    def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
+        self.birth_slot = int(config.get(BIRTH_SLOT, -1))
+
+    def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
+        """Probe (in training; in evaluation only without kept responsibilities) and route."""
+        kept = rt.state.get(ROUTE)
+        server_round = int(config.get("server-round", 0))
+        if training or kept is None or not np.all(self.active[np.asarray(kept["r"]) > 0]):
+            losses = self._probe(rt, server_round)
+            self.r = responsibilities(losses, self.active, self.vemoe.temperature)
+            best = float(np.min(losses[self.active]))
+            before = float(kept["best"][0]) if kept is not None else np.inf
+            self.vote = training and self.birth_slot >= 0 and best > self.vemoe.birth_threshold * before
+            rt.state.put(ROUTE, {"r": self.r.astype(np.float32), "best": np.array([min(best, before)], np.float32)})
+        else:
+            self.r = np.asarray(kept["r"], dtype=np.float64)
+        self.top = top_m(self.r, self.pool.top_m).tolist()
+        self._experts(rt).route(self.top, [float(self.r[k]) for k in self.top])
+
+    def _probe(self, rt: ClientRuntime, server_round: int) -> np.ndarray:
+        rng = random.Random(rt.cfg.seed * 7919 + server_round * 31 + rt.partition_id)
+        batch = rng.sample(rt.train, min(self.vemoe.probe_examples, len(rt.train)))
+        max_len = rt.cfg.train.max_seq_len
+        adapter = self._experts(rt)
+        losses = np.full(self.pool.k_max, np.nan)
+        for slot in np.flatnonzero(self.active):
+            losses[slot] = adapter.probe_loss(int(slot), lambda model: batch_loss(model, rt.tokenizer, batch, max_len))
+        return losses
+
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+        """The payload: its top-m experts as trained, weighted by r renormalised over them (what it trained)."""
+        slots = split_slots(arrays, self.pool.k_max)
+        r = np.zeros(self.pool.k_max)
+        r[self.top] = self.r[self.top] / self.r[self.top].sum()
+        best = max(self.top, key=lambda k: r[k])
+        candidate = slots[best] if self.vote else None
+        payload = client_payload(
+            {k: slots[k] for k in self.top}, r, slots[0], self.birth_slot if self.vote else None, candidate
+        )
+        return payload, {"vemoe_top": list(self.top), "vemoe_vote": int(self.vote)}

@@ -1,0 +1,81 @@
+"""VEMoE through the real ServerApp and ClientApp (in-process simulation, tiny model, 3 clients): its config is
+checked before round 1, every reply is accepted, the pool and its events reach metrics.jsonl, and the secure pool
+(Flower's SecAgg+) equals the plain one to SecAgg+'s quantisation error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from child import run_in_child
+
+from common.adapters.experts.adapter import split_slots
+from common.config import ConfigError, SecAggSection
+from strategies import load_run_config
+from strategies.aggregation import secagg_error_bound
+
+
+def test_a_pool_config_that_cannot_hold_its_experts_is_refused_naming_the_key():
+    cfg = load_run_config({"strategy": "vemoe"})
+    assert cfg.adapter == "experts"
+    with pytest.raises(ConfigError, match="vemoe.k-init"):
+        load_run_config({"strategy": "vemoe", "experts.k-max": 2, "experts.top-m": 1, "vemoe.k-init": 3})
+    with pytest.raises(ConfigError, match="experts.top-m"):
+        load_run_config({"strategy": "vemoe", "experts.k-max": 2, "experts.top-m": 3})
+
+
+def config(tiny_llama_dir, run_dir: Path, **extra) -> dict:
+    return {
+        "strategy": "vemoe",
+        "model.name": str(tiny_llama_dir),
+        "model.quantization": "fp32",
+        "model.device": "cpu",
+        "num-server-rounds": 1,
+        "min-train-replies": 3,
+        "train.local-steps": 3,
+        "train.batch-size": 2,
+        "train.learning-rate": 0.05,
+        "eval.max-examples": 4,
+        "eval.max-new-tokens": 2,
+        "experts.k-max": 4,
+        "experts.r": 2,
+        "vemoe.k-init": 3,
+        "run-dir": str(run_dir),
+        "node-wait-timeout": 120.0,
+        **extra,
+    }
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _pool(run_dir: Path) -> list[dict]:
+    from server_app.rundir import RunDirectory
+
+    _, state = RunDirectory(run_dir).load_checkpoint()
+    return split_slots(state["pool"], 4)
+
+
+@pytest.mark.e2e
+def test_vemoe_runs_plain_and_secure_and_the_secure_pool_is_the_plain_one(tiny_llama_dir, tmp_path):
+    runs = {}
+    for secure in (False, True):
+        run_dir = tmp_path / f"secure-{secure}"
+        run_in_child("test_toy_strategy", "run_in_process", config(tiny_llama_dir, run_dir, secure=secure), 3)
+        rows = _rows(run_dir)
+        trained = [r for r in rows if r["round"] == 1 and r["node"] is not None]
+        assert len(trained) == 3 and all(r["accepted"] for r in trained)
+        assert all(len(r["vemoe_top"]) == 2 for r in trained)  # every client routed between its top-2 experts
+        pool = next(r for r in rows if r["round"] == 1 and r["node"] is None)["vemoe"]
+        assert pool["experts"] == 3 and sum(pool["responsibility"]) == pytest.approx(3.0, abs=1e-3)
+        runs[secure] = _pool(run_dir)
+    # the experts are mean(r theta) / mean(r): SecAgg+'s error on each mean, amplified by 1 / mean(r) (>= 1/3 here)
+    step_bound = secagg_error_bound([1.0] * 3, SecAggSection().clipping_range, SecAggSection().quantization_range)
+    for plain, secure in zip(runs[False], runs[True]):
+        for name in plain:
+            assert np.abs(plain[name] - secure[name]).max() <= 10 * step_bound, name
+    trained = [any(np.any(v) for n, v in expert.items() if ".lora_B." in n) for expert in runs[False]]
+    assert sum(trained) >= 2 and not trained[3]  # B left zero: the routed experts trained, the free slot did not
