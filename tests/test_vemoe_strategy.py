@@ -68,7 +68,10 @@ def test_vemoe_runs_plain_and_secure_and_the_secure_pool_is_the_plain_one(tiny_l
         rows = _rows(run_dir)
         trained = [r for r in rows if r["round"] == 1 and r["node"] is not None]
         assert len(trained) == 3 and all(r["accepted"] for r in trained)
-        assert all(len(r["vemoe_top"]) == 2 for r in trained)  # every client routed between its top-2 experts
+        if secure:  # which experts a client uses is what SecAgg+ hides: not in its reply metrics either
+            assert not any("vemoe_top" in r or "vemoe_vote" in r for r in trained)
+        else:
+            assert all(len(r["vemoe_top"]) == 2 for r in trained)  # every client routed between its top-2 experts
         pool = next(r for r in rows if r["round"] == 1 and r["node"] is None)["vemoe"]
         assert pool["experts"] == 3 and sum(pool["responsibility"]) == pytest.approx(3.0, abs=1e-3)
         runs[secure] = _pool(run_dir)

@@ -97,4 +97,6 @@ class VEMoEClient(StrategyClient):
         payload = client_payload(
             {k: slots[k] for k in self.top}, r, slots[0], self.birth_slot if self.vote else None, candidate
         )
-        return payload, {"vemoe_top": list(self.top), "vemoe_vote": int(self.vote)}
+        # which experts a client uses and whether it voted are exactly what SecAgg+ hides: said in the clear only
+        metrics = {} if self.cfg.secure else {"vemoe_top": list(self.top), "vemoe_vote": int(self.vote)}
+        return payload, metrics
