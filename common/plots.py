@@ -106,3 +106,52 @@ def eval_loss(rows: list[dict[str, Any]], out: Path) -> Path:
     ax.set_title("Per-client evaluation loss")
     ax.legend(fontsize=8)
     return save(fig, out)
+
+
+def final_losses(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Each client's held-out loss at its last evaluated round (client key -> loss)."""
+    last: dict[int, tuple[int, float]] = {}
+    for row in rows:
+        key = client_key(row)
+        if key is not None and row.get("eval_loss") is not None and row["round"] >= last.get(key, (-1, 0.0))[0]:
+            last[key] = (row["round"], float(row["eval_loss"]))
+    return {key: loss for key, (_, loss) in sorted(last.items())}
+
+
+def worst_client(rows: list[dict[str, Any]], out: Path) -> Path:
+    """The worst client's held-out loss by round (which client it is, annotated), beside the mean client's."""
+    plt = pyplot()
+    by_round: dict[int, dict[int, float]] = {}
+    for row in rows:
+        key = client_key(row)
+        if key is not None and row.get("eval_loss") is not None:
+            by_round.setdefault(row["round"], {})[key] = float(row["eval_loss"])
+    rounds = sorted(by_round)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    worst = [max(by_round[r].items(), key=lambda kv: kv[1]) for r in rounds]
+    ax.plot(rounds, [loss for _, loss in worst], marker="o", color="tab:red", label="worst client")
+    ax.plot(rounds, [sum(by_round[r].values()) / len(by_round[r]) for r in rounds], marker="o", label="mean client")
+    for r, (key, loss) in zip(rounds, worst):
+        ax.annotate(client_label(rows, key), (r, loss), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    integer_rounds(ax)
+    ax.set_ylabel("held-out loss (answer tokens)")
+    ax.set_title("Worst client by round")
+    ax.legend(fontsize=8)
+    return save(fig, out)
+
+
+def negative_transfer(rows: list[dict[str, Any]], baseline: list[dict[str, Any]], out: Path) -> Path:
+    """Per client, its final held-out loss minus the same client's in a baseline run (local-only training, same
+    data): above 0 the federation hurt it (negative transfer), below 0 it helped."""
+    plt = pyplot()
+    ours, theirs = final_losses(rows), final_losses(baseline)
+    keys = [k for k in ours if k in theirs]
+    diffs = [ours[k] - theirs[k] for k in keys]
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(keys) + 2), 4))
+    ax.bar([client_label(rows, k) for k in keys], diffs, color=["tab:red" if d > 0 else "tab:green" for d in diffs])
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_ylabel("final loss minus the baseline's")
+    ax.set_title(f"Negative transfer: {sum(d > 0 for d in diffs)} of {len(keys)} clients above the baseline")
+    ax.tick_params(axis="x", labelsize=7, rotation=45)
+    ax.grid(alpha=0.3, axis="y")
+    return save(fig, out)

@@ -1,6 +1,8 @@
 """VEMoE's server half without Flower: one group of everyone, experts from the group mean, and the open-world
 events (prune, merge, birth) from crafted payloads; checkpoint round trip."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,39 @@ def test_clients_of_another_base_model_are_refused(server):
     )
     with pytest.raises(ValueError, match="one pool"):
         server.initialise({20: ClientInfo(20, 20, "qwen", other)})
+
+
+def test_the_run_plots_are_drawn_and_negative_transfer_needs_a_baseline(server, tmp_path):
+    from common.plots import final_losses
+
+    def client_rows(losses, node_base=0):
+        return [
+            {"round": r, "node": node_base + p, "partition_id": p, "tasks": "t", "eval_loss": loss}
+            for r, per_client in enumerate(losses)
+            for p, loss in enumerate(per_client)
+        ]
+
+    pool_rows = [
+        {"round": 1, "node": None, "vemoe": {"responsibility": [2.0, 1.0, 0, 0], "experts": 2, "events": []}},
+        {
+            "round": 2,
+            "node": None,
+            "vemoe": {
+                "responsibility": [2.5, 0.1, 0.4, 0],
+                "experts": 3,
+                "events": [{"round": 2, "kind": "birth", "slot": 2, "votes": 2.0}],
+            },
+        },
+    ]
+    rows = pool_rows + client_rows([[3.0, 2.0, 1.0], [2.5, 1.9, 1.2], [2.0, 1.8, 1.3]])
+    assert final_losses(rows) == {0: 2.0, 1: 1.8, 2: 1.3}
+    paths = server.plot_run(rows, tmp_path)  # no vemoe.baseline-run: two figures
+    assert sorted(p.name for p in paths) == ["expert_utilization.png", "worst_client.png"]
+    baseline = tmp_path / "local"
+    baseline.mkdir()
+    (baseline / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in client_rows([[3.0, 2.0, 1.0], [2.2, 1.7, 1.1]]))
+    )
+    server.cfg = server.cfg.model_copy(update={"baseline_run": str(baseline)})
+    paths = server.plot_run(rows, tmp_path)
+    assert (tmp_path / "negative_transfer.png").stat().st_size > 0 and len(paths) == 3

@@ -18,6 +18,8 @@ expert or voted.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,8 +27,10 @@ import numpy as np
 from common.adapters.experts import ExpertsSection
 from common.adapters.experts.adapter import join_slots, split_slots
 from common.logs import get_logger
+from common.plots import negative_transfer, worst_client
 
 from ..base import WEIGHT_EQUALLY, Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
+from . import plots
 from .config import VemoeSection
 from .pool import RESPONSIBILITY, VOTE, birth_slot, experts_from_sum, merge, merge_pairs, newborn, prune
 
@@ -154,6 +158,21 @@ class VEMoE(Strategy):
 
     def eval_arrays(self, node_id: int) -> Arrays:
         return self._start()
+
+    def plot_run(self, rows: list[dict[str, Any]], run_dir: Path) -> list[Path]:
+        """expert_utilization.png, worst_client.png and, against ``vemoe.baseline-run``, negative_transfer.png."""
+        paths = [plots.expert_utilization(rows, run_dir / "expert_utilization.png")]
+        paths.append(worst_client(rows, run_dir / "worst_client.png"))
+        baseline = Path(self.cfg.baseline_run) / "metrics.jsonl" if self.cfg.baseline_run else None
+        if baseline is None or not baseline.exists():
+            log.info(
+                "vemoe: negative_transfer.png skipped: %s",
+                "no vemoe.baseline-run" if baseline is None else f"{baseline} does not exist",
+            )
+            return paths
+        base_rows = [json.loads(line) for line in baseline.read_text().splitlines() if line.strip()]
+        paths.append(negative_transfer(rows, base_rows, run_dir / "negative_transfer.png"))
+        return paths
 
     def state_dict(self) -> dict[str, Arrays]:
         return {
