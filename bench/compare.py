@@ -158,6 +158,7 @@ def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any
     cfg = load_run_config({**defaults, **parse_overrides(config, "run config")})
     unread = set(config_sections()) - {kind.key for kind in strategy_spec(cfg.strategy).sections(cfg)}
     where = {"run-dir", "resume"}  # where the run writes, not what it computes
+    where |= {f"data.{key}" for key in cfg.data.unread()}  # what its data source does not read
     return {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread and k not in where}
 
 

