@@ -124,6 +124,20 @@ PRESETS: dict[str, Preset] = {
             rounds=4,
             overrides={**_FEW_SHOT, "model.partition-models": ",".join([SMOLLM2_ALIAS] * 4 + [QWEN_CODER_ALIAS] * 4)},
         ),
+        Preset(
+            "ni-categories",
+            "6 clients on Natural-Instructions (seed 002's setting, VEMoE's home): three keyword categories (question "
+            "generation, answer generation, incorrect answer) of two sub-tasks each, two clients per category, the "
+            "few-shot budget (24 training examples, 64 held-out): experts should specialise by category.",
+            clients=6,
+            rounds=4,
+            overrides={
+                **_FEW_SHOT,
+                "data.source": "natural-instructions",
+                "data.keyword-categories": "question generation,answer generation,incorrect answer",
+                "data.tasks-per-category": 2,
+            },
+        ),
     )
 }
 

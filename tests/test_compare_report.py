@@ -103,8 +103,8 @@ def test_strategy_items_and_overrides_become_one_run_config():
         "local",
     ]
     assert parse_strategy("simgrad:pqlora.r=4") == ("simgrad:pqlora.r=4", "simgrad", "pqlora.r=4")
-    with pytest.raises(SystemExit, match="'vemoe' is not a registered strategy"):
-        parse_strategy("vemoe")
+    with pytest.raises(SystemExit, match="'sublora' is not a registered strategy"):
+        parse_strategy("sublora")
     from pathlib import Path
 
     text = run_config(
