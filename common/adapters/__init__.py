@@ -3,7 +3,7 @@
 Each kind is one place (``lora/``, ``pqlora/``, ``experts/``: config, per-layer math, model surgery, the
 client-side kind) and implements ``base.AdapterKind``; ``ADAPTER_KINDS`` is the one list of them. The dual-path
 kinds (``lora/dual.py``, ``pqlora/dual.py``) are thin subclasses that add the personal LoRA of ``personal/``, which
-never travels. ``experts/`` is VEMoE's pool of LoRA experts with token routing (no strategy trains it yet).
+never travels. ``experts/`` is VEMoE's pool of LoRA experts with token routing.
 """
 
 from .base import AdapterKind, Arrays, ClientState, UndeclaredStateError
