@@ -1,0 +1,88 @@
+"""VEMoE's expert pool on the CUDA 4-bit path: correctness and speed on a GPU, with random-weight models of real
+shapes (GPU machines here have no model hub; see ``pqlora_cuda_check.py``, whose shapes and helpers this reuses).
+
+    python bench/experts_cuda_check.py            # needs CUDA and bitsandbytes
+
+For each shape: load in NF4 with bf16 compute through ``common.model.load_base_model``, attach a pool of 4 experts
+(rank 4, q/v of every block), check that every adapted layer is a bitsandbytes ``Linear4bit`` underneath, that the
+output with nothing routed and with fresh (B = 0) experts routed equals the base output exactly, train AdamW steps
+with tokens routed between two experts (loss must fall; only the routed slots get gradients), and time a training
+step against peft LoRA r=8 on q/v. Prints one JSON object per model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.pqlora_cuda_check import SHAPES, random_checkpoint, step_seconds  # noqa: E402
+from common.adapters import attach_lora  # noqa: E402
+from common.adapters.experts import ExpertLinear, ExpertsSection, attach_experts, routed, trainable  # noqa: E402
+from common.adapters.lora import LoraSection  # noqa: E402
+from common.model import load_base_model  # noqa: E402
+
+
+def check(name: str, kind: str, shape: dict, work: Path) -> dict:
+    import bitsandbytes as bnb
+
+    path = random_checkpoint(kind, shape, work / name)
+    torch.manual_seed(1)
+    ids = torch.randint(0, shape["vocab_size"], (8, 256), device="cuda")
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+
+    model = attach_experts(load_base_model(str(path), "nf4", "cuda"), ExpertsSection(k_max=4, r=4, top_m=2), seed=0)
+    layers = [m for m in model.modules() if isinstance(m, ExpertLinear)]
+    with torch.no_grad():
+        unrouted = model(**batch).logits
+        with routed(model, [0, 2], [0.6, 0.4]):
+            fresh = model(**batch).logits
+    trainable(model)
+    with routed(model, [0, 2], [0.6, 0.4]):
+        losses, expert_step = step_seconds(model, batch)
+    grad = layers[-1].lora_B.grad
+    assert grad is not None, "no gradient reached the last expert layer"
+    grads = grad.flatten(1).norm(dim=1).tolist()
+    with torch.no_grad(), routed(model, [0, 2], [0.6, 0.4]):
+        trained = model(**batch).logits
+    del model
+    torch.cuda.empty_cache()
+    base = load_base_model(str(path), "nf4", "cuda")
+    with torch.no_grad():
+        base_logits = base(**batch).logits
+    lora = attach_lora(base, LoraSection(r=8), seed=0)
+    lora_losses, lora_step = step_seconds(lora, batch)
+    return {
+        "model": name,
+        "gpu": torch.cuda.get_device_name(),
+        "adapted_layers": len(layers),
+        "all_linear4bit_underneath": all(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in layers),
+        "unrouted_equals_base": bool(torch.equal(unrouted, base_logits)),
+        "fresh_experts_equal_base": bool(torch.equal(fresh, base_logits)),
+        "trained_differs_from_base": not bool(torch.equal(trained, base_logits)),
+        "expert_loss_first_last": [losses[0], losses[-1]],
+        "expert_loss_fell": losses[-1] < losses[0],
+        "last_layer_grad_norm_per_slot": grads,
+        "only_routed_slots_have_gradients": grads[1] == 0 and grads[3] == 0 and grads[0] > 0 and grads[2] > 0,
+        "experts_step_ms_8x256": 1000 * expert_step,
+        "lora_loss_first_last": [lora_losses[0], lora_losses[-1]],
+        "lora_step_ms_8x256": 1000 * lora_step,
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
+    }
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (kind, shape) in SHAPES.items():
+            print(json.dumps(check(name, kind, shape, Path(tmp))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
