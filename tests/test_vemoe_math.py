@@ -49,6 +49,10 @@ def test_top_m_takes_the_most_responsible_active_slots():
     assert top_m(r, 2).tolist() == [2, 4]
     assert top_m(r, 3).tolist() == [0, 2, 4]  # a tie goes to the lower slot
     assert top_m(r, 9).tolist() == [0, 2, 3, 4]  # never an empty slot
+    even = np.full(4, 0.25)  # new experts: every client ties on them
+    assert top_m(even, 2).tolist() == [0, 1]
+    assert top_m(even, 2, tie_order=np.array([3, 1, 0, 2])).tolist() == [1, 3]  # a client's own order breaks ties
+    assert top_m(r, 2, tie_order=np.array([4, 3, 2, 1, 0])).tolist() == [2, 4]  # it never overrides r
 
 
 def test_token_mixture_goes_from_the_router_to_the_domain_mixture_as_gamma_grows():

@@ -1,10 +1,12 @@
 """VEMoE's client half: probe every active expert on a batch of the client's own data, turn the losses into
-responsibilities r, route its tokens between its top-m experts, and send the constant-length payload of
-``pool.py`` (its trained experts weighted by r, r itself, and its birth vote with a candidate in the free slot).
+responsibilities r, route its tokens between its top-m experts, and send the constant-length payload of ``pool.py``
+(its trained experts weighted by r, r itself, and its birth vote with a candidate in the free slot).
 
 The client votes for a new expert when its best expert's probe loss is above ``vemoe.birth-threshold`` times the
-best it has seen in earlier rounds (the pool has drifted away from it); its candidate is its trained copy of its
-best expert. Its responsibilities and best loss stay in its state, so an evaluation routes as its training did.
+best it has seen in earlier rounds on the same probe batch (the pool has drifted away from it); its candidate is its
+trained copy of its best expert. Ties in r (new experts are all the base model) are broken in a per-client order, so
+clients spread over the new experts. Its responsibilities and best loss stay in its state, so an evaluation routes
+as its training did.
 """
 
 from __future__ import annotations
@@ -64,9 +66,8 @@ class VEMoEClient(StrategyClient):
     def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
         """Probe (in training; in evaluation only without kept responsibilities) and route."""
         kept = rt.state.get(ROUTE)
-        server_round = int(config.get("server-round", 0))
         if training or kept is None or not np.all(self.active[np.asarray(kept["r"]) > 0]):
-            losses = self._probe(rt, server_round)
+            losses = self._probe(rt)
             self.r = responsibilities(losses, self.active, self.vemoe.temperature)
             best = float(np.min(losses[self.active]))
             before = float(kept["best"][0]) if kept is not None else np.inf
@@ -74,11 +75,13 @@ class VEMoEClient(StrategyClient):
             rt.state.put(ROUTE, {"r": self.r.astype(np.float32), "best": np.array([min(best, before)], np.float32)})
         else:
             self.r = np.asarray(kept["r"], dtype=np.float64)
-        self.top = top_m(self.r, self.pool.top_m).tolist()
+        ties = np.random.default_rng([rt.cfg.seed, rt.partition_id]).permutation(self.pool.k_max)
+        self.top = top_m(self.r, self.pool.top_m, ties).tolist()
         self._experts(rt).route(self.top, [float(self.r[k]) for k in self.top])
 
-    def _probe(self, rt: ClientRuntime, server_round: int) -> np.ndarray:
-        rng = random.Random(rt.cfg.seed * 7919 + server_round * 31 + rt.partition_id)
+    def _probe(self, rt: ClientRuntime) -> np.ndarray:
+        # the same probe batch every round: the birth vote compares this round's best loss with earlier rounds'
+        rng = random.Random(rt.cfg.seed * 7919 + rt.partition_id)
         batch = rng.sample(rt.train, min(self.vemoe.probe_examples, len(rt.train)))
         max_len = rt.cfg.train.max_seq_len
         adapter = self._experts(rt)

@@ -36,12 +36,17 @@ def responsibilities(probe_losses: np.ndarray, active: np.ndarray, temperature: 
     return weights / weights.sum()
 
 
-def top_m(r: np.ndarray, m: int) -> np.ndarray:
-    """The (at most) ``m`` slots of largest responsibility among those with r > 0, ascending slot order; ties go to
-    the lower slot."""
+def top_m(r: np.ndarray, m: int, tie_order: np.ndarray | None = None) -> np.ndarray:
+    """The (at most) ``m`` slots of largest responsibility among those with r > 0, ascending slot order. Ties go to
+    the slot earlier in ``tie_order`` (a permutation of the slots; default: the lower slot). New experts are all the
+    base model, so every client ties on them: a per-client order spreads clients over them instead of starving the
+    higher slots."""
     if m < 1:
         raise ValueError(f"m must be >= 1, got {m}")
     r = np.asarray(r, dtype=np.float64)
+    order = np.arange(len(r)) if tie_order is None else np.asarray(tie_order)
+    rank = np.empty(len(r), dtype=np.int64)
+    rank[order] = np.arange(len(r))
     candidates = np.flatnonzero(r > 0)
-    ranked = candidates[np.argsort(-r[candidates], kind="stable")]
+    ranked = candidates[np.lexsort((rank[candidates], -r[candidates]))]
     return np.sort(ranked[:m])
