@@ -12,16 +12,14 @@ step against peft LoRA r=8 on q/v. Prints one JSON object per model.
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.pqlora_cuda_check import SHAPES, random_checkpoint, step_seconds  # noqa: E402
+from bench.pqlora_cuda_check import random_checkpoint, run_checks, step_seconds  # noqa: E402
 from common.adapters import attach_lora  # noqa: E402
 from common.adapters.experts import ExpertLinear, ExpertsSection, attach_experts, routed, trainable  # noqa: E402
 from common.adapters.lora import LoraSection  # noqa: E402
@@ -77,11 +75,7 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, (kind, shape) in SHAPES.items():
-            print(json.dumps(check(name, kind, shape, Path(tmp))), flush=True)
+    run_checks(check)
 
 
 if __name__ == "__main__":

@@ -116,12 +116,17 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
     }
 
 
-def main() -> None:
+def run_checks(check_one) -> None:
+    """``check_one(name, kind, shape, work_dir)`` for every shape, one JSON line each (needs CUDA)."""
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (kind, shape) in SHAPES.items():
-            print(json.dumps(check(name, kind, shape, Path(tmp))), flush=True)
+            print(json.dumps(check_one(name, kind, shape, Path(tmp))), flush=True)
+
+
+def main() -> None:
+    run_checks(check)
 
 
 if __name__ == "__main__":
