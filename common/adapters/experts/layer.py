@@ -17,6 +17,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from ..wrapping import WrappedProjection
+
 
 def token_mixture(log_r: torch.Tensor, router_logits: torch.Tensor, gamma: float) -> torch.Tensor:
     """alpha (..., m) = softmax(log r + u / gamma) over the last axis: ``log_r`` (m,) the client's log
@@ -55,7 +57,7 @@ class ExpertRouting(nn.Module):
         self.log_r = torch.log(torch.tensor([value / total for value in r], dtype=torch.float32, device=device))
 
 
-class ExpertLinear(nn.Module):
+class ExpertLinear(WrappedProjection):
     """A frozen projection (``nn.Linear``, bnb ``Linear4bit``, ...) plus K_max LoRA experts and a router.
 
     Parameters (float32, on the base layer's device): ``lora_A`` (K_max, r, d_in), ``lora_B`` (K_max, d_out, r),
@@ -82,14 +84,6 @@ class ExpertLinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(k_max, self.out_features, r, dtype=f32, device=device))
         self.router = nn.Parameter(torch.zeros(k_max, self.in_features, dtype=f32, device=device))
         object.__setattr__(self, "_routing", routing)  # shared by every layer: not registered once per layer
-
-    @property
-    def weight(self):
-        return self.base_layer.weight
-
-    @property
-    def bias(self):
-        return getattr(self.base_layer, "bias", None)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         out = self.base_layer(x, *args, **kwargs)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..pqlora.model import find_decoder_blocks
+from ..wrapping import paths_disabled, unwrap
 from .config import ExpertsSection
 from .layer import ExpertLinear, ExpertRouting
 
@@ -71,10 +72,7 @@ def initial_a(seed: int, path: str, slot: int, r: int, d_in: int) -> torch.Tenso
 
 def detach_experts(model: nn.Module) -> nn.Module:
     """Undo ``attach_experts``: every ExpertLinear back to its base layer, the routing removed."""
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, ExpertLinear):
-                setattr(module, child_name, child.base_layer)
+    unwrap(model, ExpertLinear)
     if hasattr(model, "experts_routing"):
         del model.experts_routing
     return model
@@ -157,12 +155,5 @@ def routed(model: nn.Module, slots: list[int], r: list[float]) -> Iterator[nn.Mo
 @contextmanager
 def experts_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """Run the pure base model inside the block (e.g. a frozen probe)."""
-    layers = expert_layers(model)
-    before = [layer.enabled for layer in layers]
-    try:
-        for layer in layers:
-            layer.enabled = False
+    with paths_disabled(expert_layers(model)):
         yield model
-    finally:
-        for layer, flag in zip(layers, before):
-            layer.enabled = flag

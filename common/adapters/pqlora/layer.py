@@ -21,6 +21,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from ..wrapping import WrappedProjection
+
 
 def derive_seed(seed: int, block: int, proj: str, d_in: int, d_out: int) -> int:
     """A 32-bit seed for one layer's A/B; crc32 (not ``hash``) so it is identical in every Python process."""
@@ -69,7 +71,7 @@ class PQLoraGates(nn.Module):
         return f"num_blocks={len(self.logits)}, gate_init={self.gate_init}"
 
 
-class PQLoraLinear(nn.Module):
+class PQLoraLinear(WrappedProjection):
     """A frozen projection (``nn.Linear``, bnb ``Linear4bit``...) plus the PQ-LoRA path of one block.
 
     ``base_layer`` is kept as is; buffers A, B, P_G, Q_G and parameters P_L, Q_L are float32 on the base
@@ -128,16 +130,6 @@ class PQLoraLinear(nn.Module):
     def name(self) -> str:
         """``block{i}.{proj}``: the prefix of this layer's arrays (independent of the model's depth/width)."""
         return f"block{self.block}.{self.proj}"
-
-    @property
-    def weight(self):
-        """The base layer's weight (some callers inspect ``module.weight``; peft's tuner layers forward it too)."""
-        return self.base_layer.weight
-
-    @property
-    def bias(self):
-        """The base layer's bias, or None."""
-        return getattr(self.base_layer, "bias", None)
 
     def gate_logit(self) -> nn.Parameter:
         """The (shared) gate logit of this layer's block."""

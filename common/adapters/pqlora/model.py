@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..wrapping import paths_disabled, unwrap
 from .config import PQLoraConfig
 from .layer import PQLoraGates, PQLoraLinear
 
@@ -99,10 +100,7 @@ def attach_pqlora(model: nn.Module, cfg: PQLoraConfig) -> nn.Module:
 
 def detach_pqlora(model: nn.Module) -> nn.Module:
     """Undo ``attach_pqlora``: every PQLoraLinear back to its base layer, the gates removed."""
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, PQLoraLinear):
-                setattr(module, child_name, child.base_layer)
+    unwrap(model, PQLoraLinear)
     if hasattr(model, "pqlora_gates"):
         del model.pqlora_gates
     return model
@@ -183,15 +181,8 @@ def block_grad_norms(model: nn.Module) -> list[float]:
 @contextmanager
 def adapters_disabled(model: nn.Module):
     """Temporarily run the pure base model (every PQ layer returns the base output), e.g. for a frozen probe."""
-    layers = _layers(model)
-    before = [layer.enabled for layer in layers]
-    try:
-        for layer in layers:
-            layer.enabled = False
+    with paths_disabled(_layers(model)):
         yield model
-    finally:
-        for layer, flag in zip(layers, before):
-            layer.enabled = flag
 
 
 def pq_num_floats(cfg: PQLoraConfig) -> int:
