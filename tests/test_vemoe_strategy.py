@@ -82,3 +82,65 @@ def test_vemoe_runs_plain_and_secure_and_the_secure_pool_is_the_plain_one(tiny_l
             assert np.abs(plain[name] - secure[name]).max() <= 10 * step_bound, name
     trained = [any(np.any(v) for n, v in expert.items() if ".lora_B." in n) for expert in runs[False]]
     assert sum(trained) >= 2 and not trained[3]  # B left zero: the routed experts trained, the free slot did not
+
+
+def _checkpoint_round(run_dir: Path) -> int:
+    state = run_dir / "checkpoint" / "state.json"
+    return json.loads(state.read_text())["round"] if state.exists() else -1
+
+
+@pytest.mark.e2e
+def test_vemoe_resumes_after_a_kill_with_its_pool_and_prune_counters(tiny_llama_dir, tmp_path):
+    """SIGKILL the whole federation once round 1 is checkpointed, resume: the rounds before the kill are kept, the
+    resumed ones follow them, and each slot's prune counter continues from the checkpoint (a counter restarted at
+    zero would read 1 after the first resumed round, not 1 more than at the kill)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from child import TESTS
+
+    run_dir = tmp_path / "run"
+    # every share of responsibility (about 1/3 each) is "low", and patience is never reached: the counters only count
+    cfg = config(tiny_llama_dir, run_dir, **{"num-server-rounds": 3, "vemoe.prune-threshold": 0.9})
+    cfg["vemoe.prune-patience"] = 10
+    code = "import json, sys, test_toy_strategy as t; t.run_in_process(*json.loads(sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
+    first = subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps([cfg, 3])],
+        cwd=TESTS,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 600
+    while _checkpoint_round(run_dir) < 1 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert first.poll() is None, "the first run ended before round 1 was checkpointed"
+    federation = [first.pid, *(p.pid for p in psutil.Process(first.pid).children(recursive=True))]
+    for pid in federation:  # the ServerApp, Ray and its workers: nothing gets to finish the round
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    first.wait(timeout=60)
+    psutil.wait_procs([p for p in psutil.process_iter() if p.pid in federation], timeout=30)
+
+    killed_at = _checkpoint_round(run_dir)
+    assert 1 <= killed_at < 3, f"killed after round {killed_at}"
+    before = [r for r in _rows(run_dir) if r["round"] <= killed_at]
+    pool_row = next(r for r in before if r["round"] == killed_at and r["node"] is None)["vemoe"]
+
+    run_in_child("test_toy_strategy", "run_in_process", {**cfg, "resume": True}, 3)
+    after = _rows(run_dir)
+    assert after[: len(before)] == before  # what was checkpointed is kept, rounds are not re-run
+    assert sorted({r["round"] for r in after[len(before) :]}) == list(range(killed_at + 1, 4))
+    resumed = next(r for r in after if r["round"] == killed_at + 1 and r["node"] is None)["vemoe"]
+    for slot, active in enumerate(resumed["active"]):
+        if active and pool_row["active"][slot]:  # low every round (threshold 0.9): one more than at the kill
+            assert resumed["low_rounds"][slot] == pool_row["low_rounds"][slot] + 1, slot
+    assert _checkpoint_round(run_dir) == 3
+    last = {r["partition_id"]: r for r in after if r["round"] == 3 and r["node"] is not None}
+    assert len(last) == 3 and all(r["accepted"] for r in last.values())

@@ -151,6 +151,7 @@ class VEMoE(Strategy):
             "vemoe": {
                 "active": self.active.astype(int).tolist(),
                 "responsibility": self.totals.round(6).tolist(),
+                "low_rounds": self.low_rounds.tolist(),  # rounds in a row below vemoe.prune-threshold
                 "experts": int(self.active.sum()),
                 "events": self.events,
             }
