@@ -115,7 +115,7 @@ def test_clients_of_another_base_model_are_refused(server):
         server.initialise({20: ClientInfo(20, 20, "qwen", other)})
 
 
-def test_the_run_plots_are_drawn_and_negative_transfer_needs_a_baseline(server, tmp_path):
+def test_the_run_plots_are_drawn_and_negative_transfer_needs_a_baseline(server, tmp_path, monkeypatch):
     from common.plots import final_losses
 
     def client_rows(losses, node_base=0):
@@ -146,6 +146,9 @@ def test_the_run_plots_are_drawn_and_negative_transfer_needs_a_baseline(server, 
     (baseline / "metrics.jsonl").write_text(
         "\n".join(json.dumps(r) for r in client_rows([[3.0, 2.0, 1.0], [2.2, 1.7, 1.1]]))
     )
-    server.cfg = server.cfg.model_copy(update={"baseline_run": str(baseline)})
+    # a relative vemoe.baseline-run resolves as run-dir does (the ServerApp's working directory is Flower's choice)
+    monkeypatch.setenv("TESSERA_RUN_ROOT", str(tmp_path))
+    monkeypatch.chdir(baseline)
+    server.cfg = server.cfg.model_copy(update={"baseline_run": "local"})
     paths = server.plot_run(rows, tmp_path)
     assert (tmp_path / "negative_transfer.png").stat().st_size > 0 and len(paths) == 3

@@ -26,6 +26,7 @@ import numpy as np
 
 from common.adapters.experts import ExpertsSection
 from common.adapters.experts.adapter import join_slots, split_slots
+from common.config import resolve_run_dir
 from common.logs import get_logger
 from common.plots import negative_transfer, worst_client
 
@@ -164,7 +165,7 @@ class VEMoE(Strategy):
         """expert_utilization.png, worst_client.png and, against ``vemoe.baseline-run``, negative_transfer.png."""
         paths = [plots.expert_utilization(rows, run_dir / "expert_utilization.png")]
         paths.append(worst_client(rows, run_dir / "worst_client.png"))
-        baseline = Path(self.cfg.baseline_run) / "metrics.jsonl" if self.cfg.baseline_run else None
+        baseline = resolve_run_dir(self.cfg.baseline_run) / "metrics.jsonl" if self.cfg.baseline_run else None
         if baseline is None or not baseline.exists():
             log.info(
                 "vemoe: negative_transfer.png skipped: %s",
