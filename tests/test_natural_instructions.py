@@ -74,3 +74,28 @@ def test_clients_get_the_categories_as_tasks(tmp_path, monkeypatch):
     assert len(first) + len(held_out) <= 40 and held_out
     with pytest.raises(ValueError, match="data.keyword-categories"):
         load_run_config({"data.source": "natural-instructions", "data.keyword-categories": ""})
+
+
+def test_the_hub_copy_gives_the_clients_the_same_examples(tmp_path, monkeypatch):
+    """``data.source='Muennighoff/natural-instructions'`` (one row per example, with its sub-task's name and
+    definition) builds the same client data as the offline bank of the same sub-tasks. The hub is not reachable
+    here: ``datasets.load_dataset`` returns the hub's columns for these sub-tasks."""
+    import datasets
+
+    _sdist(tmp_path / "bigbench.tar.gz")
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "cache"))
+    _extract_natural_instructions(tmp_path / "bigbench.tar.gz", tmp_path / "cache" / "data" / "natural-instructions")
+    hub_rows = [
+        {"task_name": name, "id": f"{name}-{i}", "definition": d, "inputs": f"{name} input {i}", "targets": f"{a}{i}"}
+        for name, (d, a) in TASKS.items()
+        for i in range(30)
+    ]
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda source, split: asked.append((source, split)) or hub_rows)
+    extra = {"data.max-examples-per-task": 40, "data.keyword-categories": "question generation,duration"}
+    offline = load_run_config({"data.source": "natural-instructions", **extra}).data
+    hub = load_run_config({"data.source": "Muennighoff/natural-instructions", **extra}).data
+    for partition in (0, 1):
+        assert client_data(hub, partition, 2, 0) == client_data(offline, partition, 2, 0)
+    assert asked and set(asked) == {("Muennighoff/natural-instructions", "train")}
+    assert {e.task for e in client_data(hub, 1, 2, 0)[0]} == {"duration"}
