@@ -24,6 +24,8 @@ def test_a_pool_config_that_cannot_hold_its_experts_is_refused_naming_the_key():
         load_run_config({"strategy": "vemoe", "experts.k-max": 2, "experts.top-m": 1, "vemoe.k-init": 3})
     with pytest.raises(ConfigError, match="experts.top-m"):
         load_run_config({"strategy": "vemoe", "experts.k-max": 2, "experts.top-m": 3})
+    with pytest.raises(ConfigError, match="robust.clip-norm"):  # r * theta is not an update of the pool
+        load_run_config({"strategy": "vemoe", "robust.clip-norm": 5.0})
 
 
 def config(tiny_llama_dir, run_dir: Path, **extra) -> dict:

@@ -35,3 +35,9 @@ class VemoeSection(Section):
         pool = cfg.section(ExpertsSection)
         if self.k_init > pool.k_max:
             raise ValueError(f"vemoe.k-init: {self.k_init} exceeds experts.k-max={pool.k_max}")
+        if cfg.robust.clip_norm:  # the payload is r * theta, not an update of the pool the norm is measured from
+            raise ValueError(
+                "robust.clip-norm: VEMoE's payload is each expert weighted by the client's responsibility, not an "
+                "update of the pool it started from, so clipping its distance to the pool would change the weights; "
+                "leave it 0 (robust.max-update-norm still refuses a reply that is too far)"
+            )
