@@ -354,6 +354,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--run-config", default="", help="more run-config overrides for every run ('k=v k=v')")
     parser.add_argument("--out", default="runs/compare", help="the report directory")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds one run may take")
+    parser.add_argument(
+        "--client-cpus", type=int, help="CPUs per simulated client (Flower's default 2: one ClientApp actor on 2 cores)"
+    )
     parser.add_argument("--baseline", default="local", help="the --strategies item negative transfer is against")
     parser.add_argument(
         "--references",
@@ -406,7 +409,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 run.update({k: v for k, v in json.loads(marker.read_text()).items() if k != "settings"}, reused=True)
             else:
                 started = time.perf_counter()
-                proc = flwr_run(home, config, num_clients=clients, timeout=args.timeout)
+                proc = flwr_run(home, config, num_clients=clients, timeout=args.timeout, client_cpus=args.client_cpus)
                 run["wall_seconds"] = time.perf_counter() - started
                 why = run_problem(run_dir / "metrics.jsonl", rounds, clients)
                 run["ok"] = proc.returncode == 0 and why is None

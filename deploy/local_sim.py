@@ -54,9 +54,14 @@ def flwr_env(home: Path) -> dict[str, str]:
     }
 
 
-def flwr_run(home: Path, run_config: str, num_clients: int = 3, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run the app in this repository to the end; return the finished process (stdout holds the streamed log)."""
+def flwr_run(
+    home: Path, run_config: str, num_clients: int = 3, timeout: float = 900, client_cpus: int | None = None
+) -> subprocess.CompletedProcess:
+    """Run the app in this repository to the end; return the finished process (stdout holds the streamed log).
+    ``client_cpus``: CPUs per simulated client (Flower's default is 2): Ray runs (cores // client_cpus) ClientApp
+    actors at once, each with that many torch threads."""
     prepare_home(home)
+    federation = f"num-supernodes={num_clients}" + (f" client-resources-num-cpus={client_cpus}" if client_cpus else "")
     cmd = [
         "flwr",
         "run",
@@ -64,7 +69,7 @@ def flwr_run(home: Path, run_config: str, num_clients: int = 3, timeout: float =
         "local",
         "--stream",
         "--federation-config",
-        f"num-supernodes={num_clients}",
+        federation,
         "--run-config",
         run_config,
     ]
