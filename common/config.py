@@ -301,6 +301,14 @@ class RunConfig(Section):
     min_train_replies: int = Field(2, ge=1)
     round_timeout: float = Field(3600.0, gt=0)
     node_wait_timeout: float = Field(300.0, gt=0)  # how long to wait for min-train-replies nodes to connect
+    # client sampling (Flower's names): a round trains a seeded sample of int(n * fraction-train) clients, at least
+    # max(min-train-nodes, min-train-replies), so a secure round always has the 3 a SecAgg+ group needs
+    fraction_train: float = Field(1.0, gt=0, le=1)
+    fraction_evaluate: float = Field(1.0, gt=0, le=1)  # < 1: evaluate a sample (and every client that trained)
+    min_train_nodes: int = Field(0, ge=0)
+    min_evaluate_nodes: int = Field(1, ge=1)
+    min_available_nodes: int = Field(0, ge=0)  # nodes to wait for before round 1 (at least min-train-replies)
+    evaluate_all_every: int = Field(0, ge=0)  # with fraction-evaluate < 1: every client on rounds k * this (0: never)
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     train: TrainSection = Field(default_factory=TrainSection)

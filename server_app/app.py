@@ -25,6 +25,7 @@ from strategies.base import Arrays, ClientInfo, GroupResult
 
 from .admission import Admission, initialise_strategy, log_left_out
 from .rundir import CheckpointError, RunDirectory
+from .sampling import round_participants
 from .secure import train_groups_secure
 from .transport import collect_reports, evaluate_nodes, query_clients, train_groups_plain, wait_for_nodes
 
@@ -51,7 +52,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
             f"resume=true: no checkpoint in {run.checkpoint_dir}; nothing changed (resume=false starts over)"
         )
     strategy = strategy_spec(cfg.strategy).server.from_config(cfg)
-    node_ids = wait_for_nodes(grid, cfg.min_train_replies, timeout=cfg.node_wait_timeout)
+    node_ids = wait_for_nodes(grid, max(cfg.min_train_replies, cfg.min_available_nodes), cfg.node_wait_timeout)
     if cfg.secure and not strategy.aggregates:
         log.info("secure=true: strategy %s sends the server no adapter, so SecAgg+ has nothing to mask", cfg.strategy)
     log.info(
@@ -88,17 +89,19 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     else:
         if run.metrics_path.exists():
             run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
-        _evaluate_round(grid, cfg, strategy, run, 0, node_ids, {}, time.perf_counter())
+        evaluated = round_participants(cfg, node_ids, clients, 0)[1]
+        _evaluate_round(grid, cfg, strategy, run, 0, evaluated, {}, time.perf_counter())
         _checkpoint(run, 0, strategy, _checkpoint_meta(cfg, node_ids))
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
         started = time.perf_counter()
         connected = sorted(grid.get_node_ids()) or node_ids
         node_ids = _admit_new_nodes(grid, cfg, strategy, clients, refused, connected, admission)
+        sampled, evaluated = round_participants(cfg, node_ids, clients, server_round)
         report_rows = (
-            _collect_reports(grid, cfg, strategy, server_round, node_ids) if strategy.wants_report(server_round) else {}
+            _collect_reports(grid, cfg, strategy, server_round, sampled) if strategy.wants_report(server_round) else {}
         )
-        results = _train_round(grid, context, cfg, strategy, server_round, node_ids)
+        results = _train_round(grid, context, cfg, strategy, server_round, sampled)
         accepted = sum(len(r.contributors) for r in results)
         if accepted < cfg.min_train_replies:
             log.error(
@@ -118,8 +121,8 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         )
         for nid, extra in report_rows.items():
             rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra)
-        rows[None].update(strategy.report())
-        _evaluate_round(grid, cfg, strategy, run, server_round, node_ids, rows, started)
+        rows[None].update(strategy.report(), sampled=sampled)
+        _evaluate_round(grid, cfg, strategy, run, server_round, evaluated, rows, started)
         strategy.plot_round(server_round, rows[None], run.path)
         _checkpoint(run, server_round, strategy, {"nodes": node_ids, "settings": cfg.to_flat()})
 

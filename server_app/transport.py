@@ -227,6 +227,7 @@ def wait_for_nodes(grid, minimum: int, timeout: float) -> list[int]:
             return nodes
         if time.monotonic() - start > timeout:
             raise RuntimeError(
-                f"only {len(nodes)} node(s) connected after {timeout:.0f}s; min-train-replies is {minimum}"
+                f"only {len(nodes)} node(s) connected after {timeout:.0f}s; {minimum} needed "
+                "(the larger of min-train-replies and min-available-nodes)"
             )
         time.sleep(1.0)

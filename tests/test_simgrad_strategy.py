@@ -136,3 +136,24 @@ def test_a_restarted_node_rejoins_mid_run_with_its_partitions_state():
     late = {56: ClientInfo(56, 3, "small", {k: np.zeros(3, np.float32) for k in NAMES})}
     with pytest.raises(ValueError, match="node 56"):  # a late joiner is held to the same P/Q shapes
         strategy.initialise(late)
+
+
+def test_a_client_that_sits_out_a_sampled_round_keeps_its_mix_and_weighs_in_no_one():
+    """Client sampling: only the sampled clients report and train. Relevance is built from this round's signatures
+    alone (no stale signature of the absent client decides a weight), the absent client's personal global P/Q is
+    left as it was, and the present clients' mixes are the exact ones over the present clients."""
+    strategy, _, groups = first_round(4, secure=False, temperature=0.5, route_budget=0)
+    strategy.update(1, [GroupResult(g.name, local_update(i), 8.0, g.members) for i, g in enumerate(groups)])
+    absent_before = {k: v.copy() for k, v in strategy.eval_arrays(103).items()}
+    present = {nid: rep for nid, rep in reports(4, seed=1).items() if nid != 103}
+    strategy.observe_reports(2, present)
+    groups = strategy.train_groups(2, sorted(present))
+    assert [g.members for g in groups] == [[100], [101], [102]] and strategy.weights.shape == (3, 3)
+    updates = [local_update(20 + i) for i in range(3)]
+    strategy.update(2, [GroupResult(g.name, updates[i], 8.0, g.members) for i, g in enumerate(groups)])
+    for name, value in absent_before.items():
+        np.testing.assert_array_equal(strategy.eval_arrays(103)[name], value)
+    w = reference_weights(present, 0.5, mix_self=False)
+    for i in range(3):
+        expected = sum(w[i, j] * updates[j]["block0.q_proj.P"] for j in range(3))
+        np.testing.assert_allclose(strategy.eval_arrays(100 + i)["block0.q_proj.P"], expected, rtol=1e-5, atol=1e-6)
