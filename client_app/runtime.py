@@ -11,6 +11,7 @@ stays at 1.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -123,7 +124,16 @@ class ClientRuntime:
             "model-load-seconds": model_load_seconds,
             "peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "startup-seconds": _startup["spawn"] + _startup["ready"],
+            "ray-node": _ray_node(),
         }
+
+
+def _ray_node() -> str:
+    """The Ray node this process runs on ("" outside Ray): where a simulation on a Ray cluster placed the client."""
+    ray = sys.modules.get("ray")  # imported by Flower's Ray backend in its actors; never imported here
+    if ray is None or not ray.is_initialized():
+        return ""
+    return str(ray.get_runtime_context().get_node_id())
 
 
 def get_runtime(context: Context) -> ClientRuntime:

@@ -357,6 +357,7 @@ def _evaluate_round(
                         "model-load-seconds",
                         "peak-rss-mb",
                         "startup-seconds",
+                        "ray-node",
                     )
                 }
             )
