@@ -40,7 +40,8 @@ from common.reply_checks import clip_update
 from common.training import round_learning_rate, train_round
 from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, WEIGHT_BY, WEIGHT_BY_EXAMPLES
 
-from .runtime import begin_message, get_runtime
+from .runtime import begin_message, declared_state_keys, get_runtime, note_restored
+from .state_store import restore, save, state_file
 
 if TYPE_CHECKING:
     from flwr.app.typing import ConfigRecordValues
@@ -191,4 +192,8 @@ def handle(kind: str, msg: Message, context: Context, spawn_seconds: float = 0.0
     """Run the handler for ``kind``; ``spawn_seconds`` is how long the ClientApp process took to reach here
     (reported, plus model start-up, as ``startup-seconds``)."""
     begin_message(spawn_seconds)
-    return HANDLERS[kind](msg, context)
+    keys, path = declared_state_keys(context), state_file(context)
+    note_restored(context, restore(context, keys, path))  # a restarted SuperNode: its state, from the disk
+    reply = HANDLERS[kind](msg, context)
+    save(context, keys, path)
+    return reply

@@ -33,10 +33,19 @@ model_loads = 0
 model_load_seconds = 0.0
 # This message's start-up: seconds before the handler ran (a fresh ClientApp process) + until its model was ready.
 _startup = {"spawn": 0.0, "began": 0.0, "ready": 0.0}
+# partition -> digest of the client state this process read back from the node's disk (state_store), if it did
+_restored: dict[int, str] = {}
 
 
 def begin_message(spawn_seconds: float) -> None:
     _startup.update(spawn=spawn_seconds, began=time.perf_counter(), ready=0.0)
+
+
+def note_restored(context: Context, digest: str) -> None:
+    """The client found its state on the node's disk (``state_store``): reported as ``state-restored`` from now on
+    (a digest of the bytes read, so a test can hold it against the file the node wrote before it went down)."""
+    if digest:
+        _restored[int(context.node_config.get("partition-id", 0))] = digest
 
 
 @dataclass
@@ -125,6 +134,7 @@ class ClientRuntime:
             "peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "startup-seconds": _startup["spawn"] + _startup["ready"],
             "ray-node": _ray_node(),
+            "state-restored": _restored.get(self.partition_id, ""),
         }
 
 

@@ -358,6 +358,7 @@ def _evaluate_round(
                         "peak-rss-mb",
                         "startup-seconds",
                         "ray-node",
+                        "state-restored",
                     )
                 }
             )

@@ -1,10 +1,12 @@
 """Deployment on loopback: a real SuperLink with TLS and SuperNode authentication and three real SuperNodes, as
 separate processes started from the deploy/ scripts (``deploy/loopback.py``), running the app with the real 4-bit
-model. One 2-round run goes through what operators meet: a SuperNode killed mid-run, the SuperLink killed
-mid-run and restarted on its state database, the run resumed from the server checkpoint."""
+model. One 2-round run of the dual path (a global LoRA averaged, a personal LoRA kept on each node) goes through
+what operators meet: a SuperNode killed mid-run, the SuperLink killed mid-run and restarted on its state database,
+the run resumed from the server checkpoint, and every node's personal state read back from its disk."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import time
@@ -23,7 +25,8 @@ STEP_TIMEOUT = 600  # seconds for any one stage; the whole module is bounded by 
 
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
-    fed = LoopbackFederation(tmp_path_factory.mktemp("deploy"), num_nodes=3)
+    work = tmp_path_factory.mktemp("deploy")
+    fed = LoopbackFederation(work, num_nodes=3, node_config=f"state-dir='{work / 'client-state'}'")
     try:
         yield fed.up()
     finally:
@@ -51,6 +54,12 @@ def checkpoint_round(run_dir: Path) -> int:
     return json.loads(meta.read_text())["round"] if meta.exists() else -1
 
 
+def state_digests(fed) -> dict[int, str]:
+    """Partition -> digest of the client state its node last wrote (``client_app/state_store.py``)."""
+    files = {int(p.stem.removeprefix("partition-")): p for p in (fed.work / "client-state").glob("*/partition-*.pb")}
+    return {partition: hashlib.sha256(path.read_bytes()).hexdigest()[:16] for partition, path in files.items()}
+
+
 def test_unregistered_supernode_is_refused(federation):
     stranger = generate(federation.work / "stranger", ["127.0.0.1"], nodes=1)  # a key pair nobody registered
     proc = federation.start_node(0, key=stranger / "node-0.key", name="stranger")
@@ -69,8 +78,8 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
     fed = federation
     run_dir = fed.work / "run"
     config = (
-        f"num-server-rounds={ROUNDS} min-train-replies=2 train.local-steps=4 eval.max-examples=4 "
-        f"eval.max-new-tokens=8 run-dir='{run_dir}'"
+        f"strategy='fedavg-dual' num-server-rounds={ROUNDS} min-train-replies=2 train.local-steps=4 "
+        f"eval.max-examples=4 eval.max-new-tokens=8 run-dir='{run_dir}'"
     )
     first = fed.start_run(config, "flwr-run-1")
 
@@ -93,6 +102,10 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
         first.wait(timeout=120)  # `flwr run` ends with its SuperLink
     finally:
         fed.stop(first)
+    # what each node holds on its disk now (node 2: since before its kill; nodes 0 and 1: their personal LoRA after
+    # round 1, or round 2 if they finished it); the resumed run is a new Flower run, so every node starts it empty
+    before = state_digests(fed)
+    assert sorted(before) == [0, 1, 2], before
     fed.start_superlink()
     fed.start_node(2)  # its key is still registered: the registrations live in the state database
     wait_for(lambda: fed.online_nodes() == 3, "three SuperNodes back online", poll=3, logs=fed.work)
@@ -105,6 +118,8 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
     final = {r["partition_id"]: r for r in rows if r["round"] == ROUNDS and r["node"] is not None}
     assert sorted(final) == [0, 1, 2] and all(r["accepted"] for r in final.values()), final
     assert all(final[p]["eval_loss"] < round0[p]["eval_loss"] for p in final), (round0, final)
+    # every node went on with exactly the state it had written before (node 2 across its kill and restart)
+    assert {p: final[p]["state_restored"] for p in final} == before, final
     # the SuperNodes that lived through it kept their model worker: same process, model loaded once
     for p in (0, 1):
         assert final[p]["pid"] == round0[p]["pid"] and final[p]["model_loads"] == 1, (round0[p], final[p])
