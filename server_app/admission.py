@@ -19,6 +19,7 @@ remain.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import Counter
 from typing import Any
@@ -116,6 +117,13 @@ def initialise_strategy(
         kept = {nid: info for nid, info in clients.items() if nid not in left_out}
         strategy.initialise(dict(kept))
         return kept, left_out
+
+
+def slim(info: ClientInfo) -> ClientInfo:
+    """What the server keeps of an admitted client once the strategy has read it: its identity without its initial
+    adapter (the strategy kept what it needs, e.g. one global per model; a LoRA is ~2 MB a client, which 1,000
+    idle clients would hold for the whole run)."""
+    return dataclasses.replace(info, initial={})
 
 
 def log_left_out(left_out: dict[int, str]) -> None:

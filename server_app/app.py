@@ -23,7 +23,7 @@ from common.reply_checks import ReplyLimits
 from strategies import Strategy, load_run_config, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
-from .admission import Admission, initialise_strategy, log_left_out
+from .admission import Admission, initialise_strategy, log_left_out, slim
 from .rundir import CheckpointError, RunDirectory
 from .sampling import round_participants
 from .secure import train_groups_secure
@@ -69,6 +69,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     queried = query_clients(grid, node_ids, cfg.round_timeout)
     clients, left_out = admission.admit(queried)
     clients, small = initialise_strategy(strategy, clients, cfg.secure)
+    clients = {nid: slim(info) for nid, info in clients.items()}
     left_out.update(small)
     log_left_out(left_out)
     if len(clients) < cfg.min_train_replies:
@@ -203,7 +204,7 @@ def _admit_new_nodes(
             if problem:
                 raise ValueError(problem)
             strategy.initialise({nid: info})
-            clients[nid] = info
+            clients[nid] = slim(info)
             log.info("node %d joined: partition %d, %s", nid, info.partition_id, info.model)
         except ValueError as err:
             refused.add(nid)

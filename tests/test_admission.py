@@ -109,3 +109,15 @@ def test_a_run_dir_that_cannot_be_written_fails_before_any_node_is_asked(tmp_pat
     with pytest.raises(RunDirNotWritableError, match="disk is full"):
         app.run_federation(grid, context)
     assert grid.sent == []
+
+
+def test_the_server_keeps_an_admitted_clients_identity_not_its_adapter():
+    import numpy as np
+
+    from server_app.admission import slim
+    from strategies.base import ClientInfo
+
+    info = ClientInfo(7, 3, "smollm2-135m-instruct", {"lora_A": np.ones((8, 576), np.float32)})
+    kept = slim(info)
+    assert (kept.node_id, kept.partition_id, kept.model) == (7, 3, "smollm2-135m-instruct") and kept.initial == {}
+    assert info.initial  # the strategy's copy (what it read in initialise) is not touched
