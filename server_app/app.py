@@ -24,10 +24,11 @@ from strategies import Strategy, load_run_config, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
 from .admission import Admission, initialise_strategy, log_left_out, slim
+from .evaluation import evaluate_round
 from .rundir import CheckpointError, RunDirectory
 from .sampling import round_participants
 from .secure import train_groups_secure
-from .transport import collect_reports, evaluate_nodes, query_clients, train_groups_plain, wait_for_nodes
+from .transport import collect_reports, query_clients, train_groups_plain, wait_for_nodes
 
 log = get_logger("tessera.server")
 app = ServerApp()
@@ -91,7 +92,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         if run.metrics_path.exists():
             run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
         evaluated = round_participants(cfg, node_ids, clients, 0)[1]
-        _evaluate_round(grid, cfg, strategy, run, 0, evaluated, {}, time.perf_counter())
+        evaluate_round(grid, cfg, strategy, run, 0, evaluated, {}, time.perf_counter())
         _checkpoint(run, 0, strategy, _checkpoint_meta(cfg, node_ids))
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
@@ -123,7 +124,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         for nid, extra in report_rows.items():
             rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra)
         rows[None].update(strategy.report(), sampled=sampled)
-        _evaluate_round(grid, cfg, strategy, run, server_round, evaluated, rows, started)
+        evaluate_round(grid, cfg, strategy, run, server_round, evaluated, rows, started)
         strategy.plot_round(server_round, rows[None], run.path)
         _checkpoint(run, server_round, strategy, {"nodes": node_ids, "settings": cfg.to_flat()})
 
@@ -315,92 +316,9 @@ def _train_rows(
 
 
 # what an evaluation reply adds to its node's metrics row: these always (None when absent) ...
-EVAL_ROW_KEYS = ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")
-# ... and these when sent (the per-example losses and token counts are what a comparison bootstraps over)
-EVAL_ROW_EXTRAS = ("eval_generated", "eval_loss_seconds", "eval_example_loss", "eval_example_tokens")
-
-
-def _evaluate_round(
-    grid,
-    cfg: RunConfig,
-    strategy: Strategy,
-    run: RunDirectory,
-    server_round: int,
-    node_ids: list[int],
-    train_rows,
-    started: float,
-) -> None:
-    arrays_by_node = {nid: strategy.eval_arrays(nid) for nid in node_ids}
-    configs = {nid: strategy.eval_config(nid) for nid in node_ids}
-    evaluated = evaluate_nodes(
-        grid, server_round, arrays_by_node, {"server-round": server_round}, cfg.round_timeout, configs
-    )
-    rows, totals = [], {"eval_loss": 0.0, "exact_match": 0.0, "rouge_l": 0.0, "n": 0, "generated": 0}
-    seconds = time.perf_counter() - started
-    for nid in node_ids:
-        metrics = evaluated.get(nid)
-        row: dict[str, Any] = {"round": server_round, "node": nid, "seconds": seconds}
-        row.update(train_rows.get(nid, {"bytes_up": 0, "bytes_down": 0}))
-        row["bytes_up"] = row.get("bytes_up", 0) + row.get("report_bytes", 0)
-        row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
-        if isinstance(metrics, dict):
-            row.update({k: metrics.get(k) for k in EVAL_ROW_KEYS})
-            row.update({k: metrics[k] for k in EVAL_ROW_EXTRAS if k in metrics})
-            row.update(
-                {
-                    k.replace("-", "_"): metrics.get(k)
-                    for k in (
-                        "partition-id",
-                        "tasks",
-                        "model",
-                        "pid",
-                        "model-loads",
-                        "model-load-seconds",
-                        "peak-rss-mb",
-                        "startup-seconds",
-                        "ray-node",
-                        "state-restored",
-                    )
-                }
-            )
-            n = int(metrics.get("eval_examples", 0))
-            generated = int(metrics.get("eval_generated", n))  # EM and ROUGE-L come from the generated subset
-            totals["eval_loss"] += float(metrics["eval_loss"]) * n
-            for key in ("exact_match", "rouge_l"):
-                totals[key] += float(metrics[key]) * generated
-            totals["n"] += n
-            totals["generated"] += generated
-        else:
-            row.update({"eval_loss": None, "exact_match": None, "rouge_l": None, "eval_error": metrics})
-        rows.append(row)
-    total = max(totals["n"], 1)
-    aggregate = {"round": server_round, "node": None, "seconds": seconds, **train_rows.get(None, {})}
-    aggregate["eval_loss"] = totals["eval_loss"] / total if totals["n"] else None
-    aggregate.update(
-        {k: (totals[k] / totals["generated"] if totals["generated"] else None) for k in ("exact_match", "rouge_l")}
-    )
-    aggregate["bytes_up"] = sum(r.get("bytes_up", 0) for r in rows)
-    aggregate["bytes_down"] = sum(r.get("bytes_down", 0) for r in rows)
-    aggregate["routing_bytes_saved"] = sum(r.get("routing_bytes_saved", 0) for r in rows)
-    rows.append(aggregate)
-    run.append_metrics(rows)
-    log.info(
-        "round %d: eval loss %s | EM %s | ROUGE-L %s | %.1fs",
-        server_round,
-        _fmt(aggregate["eval_loss"]),
-        _fmt(aggregate["exact_match"]),
-        _fmt(aggregate["rouge_l"]),
-        seconds,
-    )
-
-
 def _save_adapters(cfg: RunConfig, strategy: Strategy, run: RunDirectory) -> list:
     """The strategy's final adapters, each written the way its adapter kind saves a server copy (PEFT for LoRA)."""
     kind = adapter_kind(cfg.adapter)
     return [
         kind.save_server_copy(a.arrays, cfg, a.base_model, run.adapter_dir(a.name)) for a in strategy.final_adapters()
     ]
-
-
-def _fmt(value) -> str:
-    return "n/a" if value is None else f"{value:.4f}"

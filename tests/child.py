@@ -33,3 +33,21 @@ def run_in_child(module: str, function: str, *args: Any, timeout: float = 600) -
 def _tail(stdout: Any, stderr: Any, chars: int = 6000) -> str:
     text = "\n".join(s.decode() if isinstance(s, bytes) else (s or "") for s in (stdout, stderr))
     return text[-chars:]
+
+
+def flwr_run_once(workdir: Path, run_config: str, num_clients: int, timeout: float = 1500) -> tuple[Path, list[dict]]:
+    """``flwr run . local`` to the end on a Flower home of its own (its managed SuperLink stopped after), with
+    ``run-dir`` under ``workdir``; the run dir and its metrics rows. Fails the test if the run fails."""
+    __tracebackhide__ = True
+    from deploy.local_sim import flwr_run, prepare_home, stop_superlink
+
+    home = prepare_home(workdir / "flwr-home")
+    run_dir = workdir / "run"
+    try:
+        proc = flwr_run(home, f"{run_config} run-dir='{run_dir}'", num_clients=num_clients, timeout=timeout)
+    finally:
+        stop_superlink(home)
+    if proc.returncode != 0 or not (run_dir / "metrics.jsonl").exists():
+        pytest.fail(f"flwr run failed (exit {proc.returncode}); its log:\n{_tail(proc.stdout, proc.stderr)}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return run_dir, rows

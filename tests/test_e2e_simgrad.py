@@ -8,8 +8,7 @@ import json
 
 import numpy as np
 import pytest
-
-from deploy.local_sim import flwr_run, prepare_home, stop_superlink
+from child import flwr_run_once
 
 pytestmark = pytest.mark.e2e
 
@@ -24,15 +23,7 @@ PQ_BYTES_PER_ROUTED_ROUND = 2 * 2 * (8 * 8 + 8) * 4  # 2 active blocks x (q_proj
 
 @pytest.fixture(scope="module")
 def simgrad_run(tmp_path_factory):
-    home = prepare_home(tmp_path_factory.mktemp("flwr-home-simgrad"))
-    run_dir = tmp_path_factory.mktemp("simgrad") / "run"
-    try:
-        proc = flwr_run(home, f"{RUN} run-dir='{run_dir}'", num_clients=3, timeout=1500)
-    finally:
-        stop_superlink(home)
-    assert proc.returncode == 0 and (run_dir / "metrics.jsonl").exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return run_dir, rows
+    return flwr_run_once(tmp_path_factory.mktemp("simgrad"), RUN, num_clients=3)
 
 
 def test_two_real_models_federate_and_the_aggregate_loss_falls(simgrad_run):

@@ -4,12 +4,9 @@ by Flower's SecAgg+ in one group of the three. One round keeps CI time in check;
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-
-from deploy.local_sim import flwr_run, prepare_home, stop_superlink
+from child import flwr_run_once
 
 pytestmark = pytest.mark.e2e
 
@@ -25,15 +22,7 @@ def vemoe_run(tmp_path_factory):
     from common.assets import natural_instructions_tasks
 
     natural_instructions_tasks()  # the first use downloads the bank: once here, not once per client
-    home = prepare_home(tmp_path_factory.mktemp("flwr-home-vemoe"))
-    run_dir = tmp_path_factory.mktemp("vemoe") / "run"
-    try:
-        proc = flwr_run(home, f"{RUN} run-dir='{run_dir}'", num_clients=3, timeout=1500)
-    finally:
-        stop_superlink(home)
-    assert proc.returncode == 0 and (run_dir / "metrics.jsonl").exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return run_dir, rows
+    return flwr_run_once(tmp_path_factory.mktemp("vemoe"), RUN, num_clients=3)
 
 
 def test_every_client_of_both_categories_improves_through_secagg(vemoe_run):
