@@ -24,6 +24,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .config import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
 from .logs import get_logger
@@ -180,39 +181,80 @@ def _load_rows(source: str) -> list[dict]:
 
 def partition(bank: list[Example], num_partitions: int, cfg: DataSection, seed: int = 0) -> list[list[Example]]:
     """Split the bank into ``num_partitions`` client datasets with flwr-datasets partitioners."""
-    from datasets import Dataset
+    return [partition_examples(bank, pid, num_partitions, cfg, seed) for pid in range(num_partitions)]
+
+
+def partition_examples(
+    bank: list[Example], partition_id: int, num_partitions: int, cfg: DataSection, seed: int = 0
+) -> list[Example]:
+    """Client ``partition_id``'s share of the bank, computing only that share (a process serving one client of a
+    thousand must not split the bank a thousand ways for it). ``by-task``: client i gets the tasks i, i + n, ...;
+    clients that share a task split it IID. ``dirichlet``: each client's task mix is a Dirichlet(alpha) draw."""
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
-    table = Dataset.from_dict(
-        {"task": [e.task for e in bank], "prompt": [e.prompt for e in bank], "answer": [e.answer for e in bank]}
+    if cfg.partitioning == "dirichlet":  # the draw assigns every example at once: one partitioner per bank
+        key = (*_bank_key(cfg, seed), num_partitions)
+        if key not in _PARTITIONERS:
+            partitioner = DirichletPartitioner(
+                num_partitions=num_partitions,
+                partition_by="task",
+                alpha=cfg.dirichlet_alpha,
+                min_partition_size=2,
+                self_balancing=False,
+                shuffle=True,
+                seed=seed,
+            )
+            partitioner.dataset = _table(bank)
+            _remember(_PARTITIONERS, key, partitioner)
+        return _examples(_PARTITIONERS[key].load_partition(partition_id))
+    tasks = list(dict.fromkeys(e.task for e in bank))
+    if num_partitions <= len(tasks):
+        mine = set(tasks[partition_id::num_partitions])
+        return [e for e in bank if e.task in mine]
+    # More clients than tasks: the clients that share a task split it IID.
+    task = tasks[partition_id % len(tasks)]
+    sharers = [p for p in range(num_partitions) if p % len(tasks) == partition_id % len(tasks)]
+    iid = IidPartitioner(num_partitions=len(sharers))
+    iid.dataset = _table([e for e in bank if e.task == task])
+    return _examples(iid.load_partition(sharers.index(partition_id)))
+
+
+# Per process (a simulation actor serves many clients): the bank and the Dirichlet draw of the last data configs.
+_BANKS: dict[tuple, list[Example]] = {}
+_PARTITIONERS: dict[tuple, Any] = {}
+
+
+def _bank_key(cfg: DataSection, seed: int) -> tuple[str, int]:
+    return cfg.model_dump_json(), seed
+
+
+def _remember(cache: dict, key: tuple, value: Any, keep: int = 4) -> None:
+    while len(cache) >= keep:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+
+
+def _cached_bank(cfg: DataSection, seed: int) -> list[Example]:
+    key = _bank_key(cfg, seed)
+    if key not in _BANKS:
+        _remember(_BANKS, key, load_task_bank(cfg, seed))
+    return _BANKS[key]
+
+
+def _table(examples: list[Example]):
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {
+            "task": [e.task for e in examples],
+            "prompt": [e.prompt for e in examples],
+            "answer": [e.answer for e in examples],
+        }
     )
-    if cfg.partitioning == "dirichlet":
-        partitioner = DirichletPartitioner(
-            num_partitions=num_partitions,
-            partition_by="task",
-            alpha=cfg.dirichlet_alpha,
-            min_partition_size=2,
-            self_balancing=False,
-            shuffle=True,
-            seed=seed,
-        )
-        partitioner.dataset = table
-        parts = [partitioner.load_partition(i) for i in range(num_partitions)]
-    else:
-        tasks = list(dict.fromkeys(table["task"]))
-        parts = []
-        for pid in range(num_partitions):
-            if num_partitions <= len(tasks):
-                mine = set(tasks[pid::num_partitions])
-                parts.append(table.filter(lambda row, mine=mine: row["task"] in mine))
-            else:
-                # More clients than tasks: clients that share a task split it IID.
-                task = tasks[pid % len(tasks)]
-                sharers = [p for p in range(num_partitions) if p % len(tasks) == pid % len(tasks)]
-                iid = IidPartitioner(num_partitions=len(sharers))
-                iid.dataset = table.filter(lambda row, task=task: row["task"] == task)
-                parts.append(iid.load_partition(sharers.index(pid)))
-    return [[Example(r["task"], r["prompt"], r["answer"]) for r in part] for part in parts]
+
+
+def _examples(rows) -> list[Example]:
+    return [Example(r["task"], r["prompt"], r["answer"]) for r in rows]
 
 
 def train_test_split(
@@ -234,12 +276,12 @@ def client_data(
     only that many training examples (few-shot), leaving the held-out splits as they are."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
-    bank = load_task_bank(cfg, seed)
-    parts = partition(bank, num_partitions, cfg, seed)
+    bank = _cached_bank(cfg, seed)
+    mine = partition_examples(bank, partition_id, num_partitions, cfg, seed)
     needed = 3 if cfg.validation_fraction > 0 else 2
-    if len(parts[partition_id]) < needed:
-        raise ValueError(f"partition {partition_id} has {len(parts[partition_id])} examples; need at least {needed}")
-    train, test = train_test_split(parts[partition_id], cfg.test_fraction, seed + partition_id)
+    if len(mine) < needed:
+        raise ValueError(f"partition {partition_id} has {len(mine)} examples; need at least {needed}")
+    train, test = train_test_split(mine, cfg.test_fraction, seed + partition_id)
     held_out = test
     if cfg.validation_fraction > 0:
         train, validation = train_test_split(train, cfg.validation_fraction, seed + partition_id + 7919)
