@@ -60,6 +60,13 @@ def state_digests(fed) -> dict[int, str]:
     return {partition: hashlib.sha256(path.read_bytes()).hexdigest()[:16] for partition, path in files.items()}
 
 
+def stable(read, seconds: float):
+    """``read()`` if it gives the same value twice ``seconds`` apart, else None."""
+    first = read()
+    time.sleep(seconds)
+    return first if read() == first else None
+
+
 def test_unregistered_supernode_is_refused(federation):
     stranger = generate(federation.work / "stranger", ["127.0.0.1"], nodes=1)  # a key pair nobody registered
     proc = federation.start_node(0, key=stranger / "node-0.key", name="stranger")
@@ -89,6 +96,7 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
     round0 = {r["partition_id"]: r for r in read_rows(run_dir) if r["round"] == 0 and r["node"] is not None}
     assert sorted(round0) == [0, 1, 2]
     fed.stop(fed.nodes[2], signal.SIGKILL)
+    killed = state_digests(fed)[2]  # what node 2 had written before it was killed: nothing writes it now
 
     # ... round 1 still completes, with the other two (the SuperLink reports the dead node unavailable).
     wait_for(lambda: checkpoint_round(run_dir) >= 1, "round 1 with a node killed", logs=fed.work)
@@ -102,13 +110,12 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
         first.wait(timeout=120)  # `flwr run` ends with its SuperLink
     finally:
         fed.stop(first)
-    # what each node holds on its disk now (node 2: since before its kill; nodes 0 and 1: their personal LoRA after
-    # round 1, or round 2 if they finished it); the resumed run is a new Flower run, so every node starts it empty
-    before = state_digests(fed)
-    assert sorted(before) == [0, 1, 2], before
     fed.start_superlink()
     fed.start_node(2)  # its key is still registered: the registrations live in the state database
     wait_for(lambda: fed.online_nodes() == 3, "three SuperNodes back online", poll=3, logs=fed.work)
+    # nodes 0 and 1 lived on: their round-2 training, cut off from the SuperLink, still ends by writing their state
+    before = wait_for(lambda: stable(lambda: state_digests(fed), seconds=5), "the nodes' state files settle")
+    assert sorted(before) == [0, 1, 2] and before[2] == killed, (before, killed)
 
     # 3. The same run, resumed from the server checkpoint, finishes round 2 with every node.
     resumed = fed.run(config + " resume=true", timeout=STEP_TIMEOUT)
@@ -118,7 +125,8 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
     final = {r["partition_id"]: r for r in rows if r["round"] == ROUNDS and r["node"] is not None}
     assert sorted(final) == [0, 1, 2] and all(r["accepted"] for r in final.values()), final
     assert all(final[p]["eval_loss"] < round0[p]["eval_loss"] for p in final), (round0, final)
-    # every node went on with exactly the state it had written before (node 2 across its kill and restart)
+    # the resumed run is a new Flower run, so every node started it with empty state: each went on with exactly the
+    # state it had written before (node 2 with what it had when it was killed)
     assert {p: final[p]["state_restored"] for p in final} == before, final
     # the SuperNodes that lived through it kept their model worker: same process, model loaded once
     for p in (0, 1):
