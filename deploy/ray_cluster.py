@@ -5,7 +5,9 @@ Flower's Ray backend calls ``ray.init()``, which joins the cluster named by ``RA
 lands on the cluster when the managed SuperLink is started with ``RAY_ADDRESS`` set (a fresh ``FLWR_HOME``: an
 already running SuperLink keeps the environment it was started with). Everything this module starts is found
 again by its ``--temp-dir`` (every Ray daemon's command line names it) and stopped by PID, never by ``ray stop``,
-which would stop every Ray on the machine.
+which would stop every Ray on the machine. The temp dir also holds ``ray_current_cluster``, the file a bare
+``ray.init()`` on this machine reads to join a running cluster: remove the directory after ``down`` (with Ray's
+default temp dir, ``/tmp/ray``, a cluster stopped by PID would leave every later simulation trying to join it).
 
     python -m deploy.ray_cluster up --temp-dir /tmp/tessera-ray --nodes 2 --cpus 1   # prints the address
     python -m deploy.ray_cluster down --temp-dir /tmp/tessera-ray

@@ -6,6 +6,7 @@ started is stopped by PID."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ def test_the_simulation_runs_on_both_nodes_of_an_existing_ray_cluster(tmp_path, 
     finally:
         stop_superlink(home)
         stop(temp)
+        shutil.rmtree(temp, ignore_errors=True)  # with it Ray's ray_current_cluster: no later ray.init() joins it
     assert proc.returncode == 0 and (run_dir / "metrics.jsonl").exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     trained = [r for r in rows if r["round"] == 1 and r["node"] is not None]
