@@ -19,7 +19,7 @@ class VemoeSection(Section):
     """VEMoE (seed 002): responsibilities from probe losses, one secure sum for every expert, open-world pool."""
 
     key: ClassVar[str] = "vemoe"
-    k_init: int = Field(2, ge=1)  # experts active in round 1 (at most experts.k-max)
+    k_init: int = Field(3, ge=1)  # experts active in round 1 (at most experts.k-max; seed 002 runs 3)
     probe_examples: int = Field(4, ge=1)  # a client's probe batch: each active expert's loss on it gives r
     temperature: float = Field(0.5, gt=0, allow_inf_nan=False)  # r = softmax(-probe loss / temperature)
     # a client votes for a new expert when its best expert's probe loss is above this multiple of the best it has
