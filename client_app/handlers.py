@@ -28,6 +28,7 @@ from common.records import (
     CONFIG,
     QUERY_INITIAL,
     QUERY_REPORT,
+    SEND_ADAPTER,
     initial_reply,
     metrics_reply,
     read_sent_adapter,
@@ -60,7 +61,8 @@ def query(msg: Message, context: Context) -> Message:
         return Message(report_reply(arrays, {**metrics, **rt.identity()}), reply_to=msg)
     if kind != QUERY_INITIAL:
         raise ValueError(f"unknown query {kind!r}")
-    return Message(initial_reply(rt.adapter.initial, rt.identity()), reply_to=msg)
+    send = bool(config.get(SEND_ADAPTER, True))  # the server asks one client per model for the arrays themselves
+    return Message(initial_reply(rt.adapter.initial, rt.identity(), send), reply_to=msg)
 
 
 def _config_int(config: Mapping[str, ConfigRecordValues], key: str, default: int) -> int:

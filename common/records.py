@@ -13,6 +13,7 @@ the server learns names and shapes from it. Adapters travel as float32; every me
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,6 @@ def num_bytes(arrays: dict[str, np.ndarray]) -> int:
 
 def layout_digest(arrays: dict[str, np.ndarray]) -> str:
     """A short fingerprint of the names and shapes, in the order ``pack`` concatenates them."""
-    import hashlib
-
     layout = ";".join(f"{k}:{tuple(np.shape(arrays[k]))}" for k in sorted(arrays))
     return hashlib.sha1(layout.encode()).hexdigest()[:16]
 
@@ -200,8 +199,24 @@ def query_instruction(kind: str, config: dict[str, Any] | None = None) -> Record
     return RecordDict({CONFIG: ConfigRecord({"query": kind, **(config or {})})})
 
 
-def initial_reply(arrays: dict[str, np.ndarray], identity: dict[str, Any]) -> RecordDict:
-    return RecordDict({ARRAYS: to_array_record(arrays), METRICS: ConfigRecord(identity)})
+SEND_ADAPTER = "send-adapter"  # initial query: False asks for the adapter's digest only (what admission compares)
+ADAPTER_DIGEST = "adapter-digest"  # identity key: the digest of the client's initial adapter
+
+
+def adapter_digest(arrays: dict[str, np.ndarray]) -> str:
+    """A fingerprint of an adapter's names, shapes, dtypes and values (equal adapters, equal digests)."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}|{value.shape}|{value.dtype}|".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+def initial_reply(arrays: dict[str, np.ndarray], identity: dict[str, Any], send_adapter: bool = True) -> RecordDict:
+    """The client's identity with its initial adapter's digest, and the adapter itself when asked for it."""
+    identity = {**identity, ADAPTER_DIGEST: adapter_digest(arrays)}
+    return RecordDict({ARRAYS: to_array_record(arrays if send_adapter else {}), METRICS: ConfigRecord(identity)})
 
 
 def _arrays_and_metrics(content: RecordDict, key: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

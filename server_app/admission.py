@@ -20,14 +20,11 @@ remain.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections import Counter
 from typing import Any
 
-import numpy as np
-
 from common.logs import get_logger
-from common.records import ReplyError
+from common.records import ReplyError, adapter_digest
 from common.secure_bounds import MIN_SECURE_GROUP
 from strategies import Strategy
 from strategies.base import Arrays, ClientInfo
@@ -52,22 +49,13 @@ def read_identity(identity: dict[str, Any]) -> tuple[int, str]:
     return partition, model
 
 
-def adapter_digest(arrays: Arrays) -> str:
-    """A fingerprint of an adapter's names, shapes, dtypes and values (equal adapters, equal digests)."""
-    digest = hashlib.sha256()
-    for name in sorted(arrays):
-        value = np.ascontiguousarray(arrays[name])
-        digest.update(f"{name}|{value.shape}|{value.dtype}|".encode())
-        digest.update(value.tobytes())
-    return digest.hexdigest()
-
-
 class Admission:
     """The checks above, with what the first admission agreed on (each model's initial adapter) kept for nodes
     that join later."""
 
     def __init__(self) -> None:
         self.start_digest: dict[str, str] = {}  # model -> the digest of its agreed initial adapter
+        self.adapters: dict[str, tuple[str, Arrays]] = {}  # model -> (that digest, the adapter): for later joiners
 
     def admit(self, clients: dict[int, ClientInfo]) -> tuple[dict[int, ClientInfo], dict[int, str]]:
         """The clients that pass, and node id -> reason for those left out."""
@@ -78,7 +66,9 @@ class Admission:
                 left_out[nid] = f"partition {info.partition_id} is already node {holder[info.partition_id]}'s"
             else:
                 holder[info.partition_id] = nid
-        digests = {nid: adapter_digest(info.initial) for nid, info in clients.items() if nid not in left_out}
+        digests = {
+            nid: info.digest or adapter_digest(info.initial) for nid, info in clients.items() if nid not in left_out
+        }
         by_model: dict[str, list[int]] = {}
         for nid in sorted(digests):
             by_model.setdefault(clients[nid].model, []).append(nid)
@@ -95,6 +85,8 @@ class Admission:
             for nid in nids:
                 if digests[nid] != self.start_digest[model]:
                     left_out[nid] = f"its initial adapter differs from the one the clients of {model!r} agree on"
+                elif model not in self.adapters and clients[nid].initial:
+                    self.adapters[model] = (digests[nid], clients[nid].initial)
         return {nid: info for nid, info in clients.items() if nid not in left_out}, left_out
 
 

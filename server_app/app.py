@@ -193,7 +193,8 @@ def _admit_new_nodes(
     SuperNode comes back with a new node id) are asked for their identity and added to the strategy first; a node
     that does not answer, or that the strategy cannot take, is asked once and then left out for the run."""
     new = [nid for nid in connected if nid not in clients and nid not in refused]
-    joined = query_clients(grid, new, cfg.round_timeout, required=False) if new else {}
+    admission = admission or Admission()
+    joined = query_clients(grid, new, cfg.round_timeout, required=False, known=admission.adapters) if new else {}
     refused.update(nid for nid in new if nid not in joined)
     live = set(connected)
     for nid, info in sorted(joined.items()):
@@ -201,7 +202,7 @@ def _admit_new_nodes(
             holder = partition_holder(clients, info.partition_id, live)
             if holder is not None:  # a restarted node's old id is gone; a live one with the same id is a clash
                 raise ValueError(f"partition {info.partition_id} is already node {holder}'s (node {nid} claims it)")
-            problem = (admission or Admission()).admit({nid: info})[1].get(nid)
+            problem = admission.admit({nid: info})[1].get(nid)
             if problem:
                 raise ValueError(problem)
             strategy.initialise({nid: info})

@@ -14,16 +14,20 @@ per-round reports.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flwr.app import Message, MessageType, RecordDict
 
 from common.logs import get_logger
 from common.records import (
+    ADAPTER_DIGEST,
     QUERY_INITIAL,
     QUERY_REPORT,
+    SEND_ADAPTER,
     ReplyError,
+    adapter_digest,
     eval_instruction,
     num_bytes,
     query_instruction,
@@ -172,23 +176,70 @@ def evaluate_nodes(
     return out
 
 
-def query_clients(grid, node_ids: list[int], timeout: float, required: bool = True) -> dict[int, ClientInfo]:
-    """Ask every node for its initial adapter and identity (partition id, base model); nodes that fail are left out
-    (with ``required``, at least one must answer)."""
+def query_clients(
+    grid,
+    node_ids: list[int],
+    timeout: float,
+    required: bool = True,
+    known: Mapping[str, tuple[str, Arrays]] | None = None,
+) -> dict[int, ClientInfo]:
+    """Every node's identity (partition id, base model) and initial adapter; nodes that fail are left out (with
+    ``required``, at least one must answer).
+
+    The clients of one model build the same seeded adapter, so the query asks each node for its adapter's digest
+    only, then fetches the adapter itself from one node per model holding the digest most of them reported (and
+    checks it against that digest): 1,000 clients send 1,000 digests and one adapter per model, not 1,000 adapters.
+    A node whose digest differs gets no arrays (admission leaves it out). ``known``: model -> (digest, adapter)
+    already agreed, for nodes that join later."""
     messages = [
-        Message(query_instruction(QUERY_INITIAL), dst_node_id=nid, message_type=MessageType.QUERY) for nid in node_ids
+        Message(
+            query_instruction(QUERY_INITIAL, {SEND_ADAPTER: False}), dst_node_id=nid, message_type=MessageType.QUERY
+        )
+        for nid in node_ids
     ]
-    clients: dict[int, ClientInfo] = {}
+    answers: dict[int, tuple[int, str, str, Arrays]] = {}  # node -> partition, model, digest, arrays if it sent them
     for nid, reply in _send(grid, messages, timeout).items():
         try:
             arrays, identity = read_initial_reply(_content(reply))
             partition, model = read_identity(identity)
-            clients[nid] = ClientInfo(nid, partition, model, arrays)
+            digest = adapter_digest(arrays) if arrays else str(identity.get(ADAPTER_DIGEST, ""))
+            if len(digest) != 64:
+                raise ReplyError(f"{ADAPTER_DIGEST} must be a sha256 hex digest, got {digest[:80]!r}")
+            answers[nid] = (partition, model, digest, arrays)
         except (ReplyError, KeyError, TypeError, ValueError) as err:
             log.warning("node %d gave no initial adapter: %s", nid, err)
+    adapters: dict[str, tuple[str, Arrays]] = {}
+    for model in sorted({a[1] for a in answers.values()}):
+        holders = {nid: a for nid, a in answers.items() if a[1] == model}
+        agreed = (known or {}).get(model) or _fetch_adapter(grid, holders, timeout)
+        if agreed is not None:
+            adapters[model] = agreed
+    clients: dict[int, ClientInfo] = {}
+    for nid, (partition, model, digest, _) in answers.items():
+        agreed_digest, arrays = adapters.get(model, ("", {}))
+        clients[nid] = ClientInfo(nid, partition, model, arrays if digest == agreed_digest else {}, digest)
     if required and not clients:
         raise RuntimeError("no client returned an initial adapter")
     return clients
+
+
+def _fetch_adapter(grid, holders: dict[int, tuple[int, str, str, Arrays]], timeout: float) -> tuple[str, Arrays] | None:
+    """The adapter behind the digest most of ``holders`` reported, from the first of them whose arrays match it."""
+    digest = Counter(a[2] for a in holders.values()).most_common(1)[0][0]
+    for nid in sorted(n for n, a in holders.items() if a[2] == digest):
+        arrays = holders[nid][3]
+        if not arrays:
+            content = query_instruction(QUERY_INITIAL, {SEND_ADAPTER: True})
+            replies = _send(grid, [Message(content, dst_node_id=nid, message_type=MessageType.QUERY)], timeout)
+            try:
+                arrays = read_initial_reply(_content(replies[nid]))[0] if nid in replies else {}
+            except (ReplyError, KeyError, TypeError, ValueError) as err:
+                log.warning("node %d's initial adapter: %s", nid, err)
+                continue
+        if arrays and adapter_digest(arrays) == digest:
+            return digest, arrays
+        log.warning("node %d's initial adapter does not match the digest it reported", nid)
+    return None
 
 
 def collect_reports(

@@ -55,13 +55,16 @@ class ClientInfo:
         node_id: Flower's node id (changes when a node restarts or a simulation is re-run).
         partition_id: the client's stable identity (its node-config ``partition-id``); per-client state is keyed by it.
         model: the base model the client loaded.
-        initial: the client's initial adapter (the names and shapes it will send).
+        initial: the client's initial adapter (the names and shapes it will send); clients of one model share one
+            (the server fetches it from one of them and checks the others' digests).
+        digest: the digest the client reported for its initial adapter ("" when only ``initial`` is known).
     """
 
     node_id: int
     partition_id: int
     model: str
     initial: Arrays
+    digest: str = ""
 
 
 @dataclass

@@ -121,3 +121,39 @@ def test_the_server_keeps_an_admitted_clients_identity_not_its_adapter():
     kept = slim(info)
     assert (kept.node_id, kept.partition_id, kept.model) == (7, 3, "smollm2-135m-instruct") and kept.initial == {}
     assert info.initial  # the strategy's copy (what it read in initialise) is not touched
+
+
+def _honest(partition: int, model: str = "smol", adapter=None):
+    adapter = START if adapter is None else adapter
+
+    def answer(content):
+        send = bool(content.config_records["config"].get("send-adapter", True))
+        return initial_reply(adapter, {"partition-id": partition, "model": model}, send)
+
+    return answer
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_server_fetches_one_adapter_per_model_and_digests_from_everyone_else():
+    """1,000 clients must not each send their (identical, seeded) initial adapter: every node sends its digest, one
+    node per model sends the adapter, checked against that digest; a node that reports the agreed digest but sends
+    other arrays is passed over for the next holder."""
+    lying = _honest(0)
+
+    def liar(content):  # reports START's digest, then sends something else when asked for the arrays
+        if content.config_records["config"].get("send-adapter", True):
+            return initial_reply(_poisoned(), {"partition-id": 0, "model": "smol"})
+        return lying(content)
+
+    other = {k: v + 1 for k, v in START.items()}
+    grid = InMemoryGrid(
+        {1: liar, 2: _honest(1), 3: _honest(2), 4: _honest(3, "qwen", other), 5: _honest(4, "qwen", other)}
+    )
+    clients = query_clients(grid, [1, 2, 3, 4, 5], timeout=1.0)
+    with_arrays = [m for m in grid.sent if m.content.config_records["config"].get("send-adapter", True)]
+    assert sorted(m.metadata.dst_node_id for m in with_arrays) == [1, 2, 4]  # the liar, then node 2; node 4 for qwen
+    assert all(np.array_equal(clients[n].initial[k], START[k]) for n in (1, 2, 3) for k in START)
+    assert clients[2].initial is clients[3].initial  # one copy per model, however many clients
+    assert all(np.array_equal(clients[5].initial[k], other[k]) for k in START)
+    kept, left_out = Admission().admit(clients)
+    assert sorted(kept) == [1, 2, 3, 4, 5] and not left_out  # the liar's digest is the agreed one; its arrays unused
