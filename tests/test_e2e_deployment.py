@@ -60,13 +60,6 @@ def state_digests(fed) -> dict[int, str]:
     return {partition: hashlib.sha256(path.read_bytes()).hexdigest()[:16] for partition, path in files.items()}
 
 
-def stable(read, seconds: float):
-    """``read()`` if it gives the same value twice ``seconds`` apart, else None."""
-    first = read()
-    time.sleep(seconds)
-    return first if read() == first else None
-
-
 def test_unregistered_supernode_is_refused(federation):
     stranger = generate(federation.work / "stranger", ["127.0.0.1"], nodes=1)  # a key pair nobody registered
     proc = federation.start_node(0, key=stranger / "node-0.key", name="stranger")
@@ -113,9 +106,7 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
     fed.start_superlink()
     fed.start_node(2)  # its key is still registered: the registrations live in the state database
     wait_for(lambda: fed.online_nodes() == 3, "three SuperNodes back online", poll=3, logs=fed.work)
-    # nodes 0 and 1 lived on: their round-2 training, cut off from the SuperLink, still ends by writing their state
-    before = wait_for(lambda: stable(lambda: state_digests(fed), seconds=5), "the nodes' state files settle")
-    assert sorted(before) == [0, 1, 2] and before[2] == killed, (before, killed)
+    assert state_digests(fed)[2] == killed  # node 2's state, as it was when it was killed
 
     # 3. The same run, resumed from the server checkpoint, finishes round 2 with every node.
     resumed = fed.run(config + " resume=true", timeout=STEP_TIMEOUT)
@@ -125,9 +116,11 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
     final = {r["partition_id"]: r for r in rows if r["round"] == ROUNDS and r["node"] is not None}
     assert sorted(final) == [0, 1, 2] and all(r["accepted"] for r in final.values()), final
     assert all(final[p]["eval_loss"] < round0[p]["eval_loss"] for p in final), (round0, final)
-    # the resumed run is a new Flower run, so every node started it with empty state: each went on with exactly the
-    # state it had written before (node 2 with what it had when it was killed)
-    assert {p: final[p]["state_restored"] for p in final} == before, final
+    # the resumed run is a new Flower run, so every node started it with empty state and read its own back from disk:
+    # node 2 exactly what it had when it was killed (nodes 0 and 1 lived on, and may still have run the first run's
+    # last messages after the SuperLink came back, so their files have no fixed "before")
+    assert final[2]["state_restored"] == killed, final[2]
+    assert final[0]["state_restored"] and final[1]["state_restored"], final
     # the SuperNodes that lived through it kept their model worker: same process, model loaded once
     for p in (0, 1):
         assert final[p]["pid"] == round0[p]["pid"] and final[p]["model_loads"] == 1, (round0[p], final[p])
