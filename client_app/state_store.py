@@ -25,7 +25,11 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
+from common.logs import get_logger
+
 META = "tessera.state-meta"  # beside the state: the Flower run id it was written in
+_WARNED: set[Path] = set()
+log = get_logger("tessera.client")
 
 
 def _in_simulation() -> bool:
@@ -63,16 +67,28 @@ def restore(context: Context, keys: tuple[str, ...], path: Path | None) -> str:
 
 
 def save(context: Context, keys: tuple[str, ...], path: Path | None) -> str:
-    """Write ``keys`` of ``context.state`` atomically; return the digest of what was written ("" if nothing)."""
+    """Write ``keys`` of ``context.state`` atomically; return the digest of what was written ("" if nothing). A
+    directory that cannot be written costs the copy on disk, never the message: the state stays in memory, and the
+    node says why once."""
     if path is None or not keys:
         return ""
     record = RecordDict({k: context.state[k] for k in keys if k in context.state})
     record[META] = ConfigRecord({"run-id": str(context.run_id)})  # a uint64: more than a ConfigRecord int holds
     data = recorddict_to_proto(record).SerializeToString()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(handle.name, path)
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
+            temporary = handle.name
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError as err:
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+        if path not in _WARNED:
+            _WARNED.add(path)
+            log.warning("client state not saved to %s (node-config state-dir): %s", path, err)
+        return ""
     return hashlib.sha256(data).hexdigest()[:16]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
 
 from client_app.state_store import restore, save, state_file
@@ -54,7 +53,13 @@ def test_a_fresh_run_starts_fresh_and_a_resumed_one_continues(tmp_path):
     assert state_file(other) != path  # keyed by partition (and by run-dir and strategy)
 
 
-def test_a_failed_write_leaves_the_previous_state_whole(tmp_path, monkeypatch):
+def test_a_failed_write_leaves_the_previous_state_whole_and_the_message_goes_on(tmp_path, monkeypatch):
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tessera.client").addHandler(handler)
     ctx = filled(context(tmp_path))
     path = state_file(ctx)
     save(ctx, KEYS, path)
@@ -65,9 +70,10 @@ def test_a_failed_write_leaves_the_previous_state_whole(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", disk_full)
-    with pytest.raises(OSError):
-        save(ctx, KEYS, path)
-    assert path.read_bytes() == good
+    assert save(ctx, KEYS, path) == ""  # no copy on disk this time; the caller's message is not failed
+    assert path.read_bytes() == good and list(path.parent.iterdir()) == [path]  # no temporary file left
+    logging.getLogger("tessera.client").removeHandler(handler)
+    assert len(said) == 1 and "No space left" in said[0]  # said on the node's log
 
 
 def test_the_default_directory_is_the_node_cache(tmp_path, monkeypatch):
