@@ -25,6 +25,7 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
+from common.assets import cache_dir
 from common.logs import get_logger
 
 META = "tessera.state-meta"  # beside the state: the Flower run id it was written in
@@ -43,8 +44,7 @@ def state_file(context: Context) -> Path | None:
     if not configured:
         if _in_simulation():
             return None
-        cache = Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")).expanduser()
-        configured = str(cache / "client-state")
+        configured = str(cache_dir() / "client-state")
     run = f"{context.run_config.get('run-dir', '')}|{context.run_config.get('strategy', '')}"
     key = hashlib.sha256(run.encode()).hexdigest()[:16]
     return Path(configured).expanduser() / key / f"partition-{int(context.node_config.get('partition-id', 0))}.pb"
