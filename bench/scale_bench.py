@@ -1,0 +1,180 @@
+"""Scale benchmark: many simulated clients, a few sampled per round, on the real 4-bit model.
+
+    python bench/scale_bench.py                              # the issue's grid (long: see below)
+    python bench/scale_bench.py --grid 10/10,1000/10 --strategies fedavg --modes plain --rounds 2
+
+Each grid item is ``TOTAL/SAMPLED``: ``num-supernodes=TOTAL`` in Flower's simulation with ``fraction-train`` and
+``fraction-evaluate`` set so that SAMPLED clients train and are evaluated per round (``evaluate-all-every=0``: the
+others never run). Per run and round it reads the run's ``metrics.jsonl``: the round's wall time, the ServerApp
+process's resident memory after the round (``server_rss_mb``), the clients' peak RSS, adapter bytes up and down
+over all the round's clients, how many clients trained and how many model loads the round cost (one per Ray actor
+process: the base model is loaded once per actor and reused for every client it serves). Round 1 carries the model
+loads; the steady state is the mean of the later rounds.
+
+Writes ``bench/results/scale.json`` and prints a Markdown table, one row per (strategy, mode, total, sampled), with
+the server's memory per idle client estimated from the runs that differ only in TOTAL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deploy.local_sim import flwr_run, prepare_home, stop_superlink  # noqa: E402
+
+DEFAULT_GRID = "10/10,100/10,1000/10,1000/5,1000/20"
+# one short local task per sampled client: the benchmark measures the federation, not the learning
+WORKLOAD = "train.local-steps=2 eval.max-examples=4 eval.generate-examples=1 eval.max-new-tokens=4"
+
+
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    """``"10/10,1000/5"`` -> ``[(10, 10), (1000, 5)]``; SAMPLED must be at least 3 (a secure group) and <= TOTAL."""
+    grid = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        total, _, sampled = item.partition("/")
+        pair = (int(total), int(sampled or total))
+        if not 3 <= pair[1] <= pair[0]:
+            raise SystemExit(f"--grid item {item!r}: need 3 <= SAMPLED <= TOTAL")
+        grid.append(pair)
+    return grid
+
+
+def run_config(total: int, sampled: int, strategy: str, secure: bool, rounds: int, run_dir: Path, extra: str) -> str:
+    fraction = sampled / total
+    return (
+        f"strategy='{strategy}' secure={'true' if secure else 'false'} num-server-rounds={rounds} "
+        f"fraction-train={fraction!r} fraction-evaluate={fraction!r} min-train-nodes={sampled} "
+        f"min-evaluate-nodes={sampled} evaluate-all-every=0 min-train-replies=3 run-dir='{run_dir}' {WORKLOAD} {extra}"
+    )
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per training round (round 0 is the first evaluation; it is left out): what one round cost."""
+    out = []
+    pids_seen: set = set()
+    for rnd in sorted({r["round"] for r in rows if r["round"] > 0}):
+        clients = [r for r in rows if r["round"] == rnd and r["node"] is not None]
+        agg = next(r for r in rows if r["round"] == rnd and r["node"] is None)
+        pids = {r.get("pid") for r in clients} - {None}
+        out.append(
+            {
+                "round": rnd,
+                "wall_seconds": agg["seconds"],
+                "trained": sum(1 for r in clients if r.get("accepted")),
+                "evaluated": sum(1 for r in clients if r.get("eval_loss") is not None),
+                "server_rss_mb": agg.get("server_rss_mb"),
+                "peak_client_rss_mb": max((r.get("peak_rss_mb") or 0.0) for r in clients),
+                "bytes_up": sum(r.get("bytes_up") or 0 for r in clients),
+                "bytes_down": sum(r.get("bytes_down") or 0 for r in clients),
+                "actor_processes": len(pids),
+                "new_processes": len(pids - pids_seen),
+                "eval_loss": agg.get("eval_loss"),
+            }
+        )
+        pids_seen |= pids
+    return out
+
+
+def steady(rounds: list[dict]) -> dict:
+    """The later rounds' mean (round 1 pays the model loads), or round 1 when it is the only one."""
+    later = rounds[1:] or rounds
+    keys = ("wall_seconds", "server_rss_mb", "peak_client_rss_mb", "bytes_up", "bytes_down")
+    return {k: sum((r[k] or 0.0) for r in later) / len(later) for k in keys} | {
+        "server_rss_mb_max": max((r["server_rss_mb"] or 0.0) for r in rounds),
+        "trained": rounds[-1]["trained"],
+        "actor_processes": max(r["actor_processes"] for r in rounds),
+    }
+
+
+def idle_client_memory(results: list[dict]) -> dict[str, float]:
+    """Server MB per idle client, from runs equal but for TOTAL: (RSS at the largest - at the smallest) / extra."""
+    out = {}
+    by_key: dict[tuple, list[dict]] = {}
+    for res in results:
+        by_key.setdefault((res["strategy"], res["mode"], res["sampled"]), []).append(res)
+    for (strategy, mode, sampled), runs in by_key.items():
+        if len(runs) > 1:
+            lo, hi = min(runs, key=lambda r: r["total"]), max(runs, key=lambda r: r["total"])
+            extra = hi["total"] - lo["total"]
+            out[f"{strategy}/{mode}/{sampled} sampled"] = (
+                hi["steady"]["server_rss_mb_max"] - lo["steady"]["server_rss_mb_max"]
+            ) / extra
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grid", default=DEFAULT_GRID, help="TOTAL/SAMPLED items, comma-separated")
+    parser.add_argument("--strategies", default="fedavg,simgrad")
+    parser.add_argument("--modes", default="plain,secure")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--client-cpus", type=int, default=None, help="CPUs per Ray actor (Flower's default 2)")
+    parser.add_argument("--extra", default="", help="more --run-config overrides")
+    parser.add_argument("--timeout", type=float, default=7200)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale.json"))
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="tessera-scale-"))
+    home = prepare_home(work / "flwr-home")
+    report: dict = {"machine": f"{platform.processor() or platform.machine()}", "rounds": args.rounds, "runs": []}
+    try:
+        for strategy in args.strategies.split(","):
+            for mode in args.modes.split(","):
+                for total, sampled in parse_grid(args.grid):
+                    run_dir = work / f"{strategy}-{mode}-{total}-{sampled}"
+                    cfg = run_config(total, sampled, strategy, mode == "secure", args.rounds, run_dir, args.extra)
+                    started = time.perf_counter()
+                    proc = flwr_run(home, cfg, num_clients=total, timeout=args.timeout, client_cpus=args.client_cpus)
+                    if proc.returncode != 0:
+                        raise SystemExit(f"{strategy} {mode} {total}/{sampled} failed:\n{proc.stdout[-3000:]}")
+                    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                    rounds = summarise(rows)
+                    result = {
+                        "strategy": strategy,
+                        "mode": mode,
+                        "total": total,
+                        "sampled": sampled,
+                        "run_seconds": time.perf_counter() - started,
+                        "rounds": rounds,
+                        "steady": steady(rounds),
+                    }
+                    report["runs"].append(result)
+                    print(_row(result), flush=True)
+    finally:
+        stop_superlink(home)
+    report["server_mb_per_idle_client"] = idle_client_memory(report["runs"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(HEADER)
+    for result in report["runs"]:
+        print(_row(result))
+    for key, value in report["server_mb_per_idle_client"].items():
+        print(f"server memory per idle client ({key}): {value:.3f} MB")
+    print(f"written to {args.out}")
+
+
+HEADER = (
+    "| strategy | mode | clients | sampled | trained | round s (steady) | round 1 s | run s | server RSS MB | "
+    "client peak RSS MB | actor processes | KB up/round | KB down/round |\n|" + "---|" * 13
+)
+
+
+def _row(res: dict) -> str:
+    s = res["steady"]
+    return (
+        f"| {res['strategy']} | {res['mode']} | {res['total']} | {res['sampled']} | {s['trained']} | "
+        f"{s['wall_seconds']:.1f} | {res['rounds'][0]['wall_seconds']:.1f} | {res['run_seconds']:.0f} | "
+        f"{s['server_rss_mb_max']:.0f} | {s['peak_client_rss_mb']:.0f} | {s['actor_processes']} | "
+        f"{s['bytes_up'] / 1e3:.0f} | {s['bytes_down'] / 1e3:.0f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
