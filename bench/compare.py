@@ -162,13 +162,49 @@ def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any
     return {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread and k not in where}
 
 
-def complete(run_dir: Path, settings: dict[str, Any]) -> bool:
-    """Whether ``run_dir`` already holds this exact run (the same resolved settings), finished."""
+def default_settings(pyproject: Path = PYPROJECT) -> dict[str, Any]:
+    """Every key's default (pyproject.toml's app config resolved by ``RunConfig``), as the marker reads back."""
+    from common.config import pyproject_defaults
+    from strategies import load_run_config
+
+    return json.loads(json.dumps(load_run_config(pyproject_defaults(pyproject)).to_flat()))
+
+
+def same_settings(recorded: dict[str, Any], settings: dict[str, Any], defaults: dict[str, Any]) -> bool:
+    """Whether a run recorded with ``recorded`` is the run ``settings`` asks for.
+
+    A key the recorded run does not name was added to the config after it ran; it matches when this run leaves it
+    at its default (a new key's default keeps the old behaviour, e.g. ``fraction-train=1.0``). Any other
+    difference, a key removed since included, is a different run.
+    """
+    if set(recorded) - set(settings):
+        return False
+    return all(
+        recorded[key] == value if key in recorded else key in defaults and value == defaults[key]
+        for key, value in settings.items()
+    )
+
+
+def complete(run_dir: Path, settings: dict[str, Any], defaults: dict[str, Any]) -> bool:
+    """Whether ``run_dir`` already holds this exact run (the same resolved settings, see ``same_settings``),
+    finished."""
     marker, metrics = run_dir / "compare-run.json", run_dir / "metrics.jsonl"
     if not (marker.exists() and metrics.exists()):
         return False
     recorded = json.loads(marker.read_text())
-    return recorded.get("settings") == settings and recorded.get("ok", False)
+    return recorded.get("ok", False) and same_settings(recorded.get("settings", {}), settings, defaults)
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """Move a finished run that is not the one asked for out of the way (``seed-N.superseded-K``), so that a rerun
+    never writes over its metrics; None where ``run_dir`` holds no finished run."""
+    if not (run_dir / "compare-run.json").exists():
+        return None
+    k = 1
+    while (aside := run_dir.with_name(f"{run_dir.name}.superseded-{k}")).exists():
+        k += 1
+    run_dir.rename(aside)
+    return aside
 
 
 def machine() -> dict[str, Any]:
@@ -396,6 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     merged = [merge_report(report, Path(path)) for path in args.merge]
     total = len(strategies) * len(seeds)
+    defaults = default_settings()
     verdicts = ""
     try:
         # seed by seed: a comparison stopped early still has every strategy on the same seeds
@@ -405,9 +442,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run: dict[str, Any] = {"strategy": label, "seed": seed, "run_dir": str(run_dir), "run_config": config}
             settings = json.loads(json.dumps(resolved_settings(config)))  # as the marker reads back (lists, floats)
             marker = run_dir / "compare-run.json"
-            if complete(run_dir, settings):
+            if complete(run_dir, settings, defaults):
                 run.update({k: v for k, v in json.loads(marker.read_text()).items() if k != "settings"}, reused=True)
             else:
+                if aside := set_aside(run_dir):
+                    print(f"[compare] {run_dir} ran with other settings: kept as {aside.name}", flush=True)
                 started = time.perf_counter()
                 proc = flwr_run(home, config, num_clients=clients, timeout=args.timeout, client_cpus=args.client_cpus)
                 run["wall_seconds"] = time.perf_counter() - started

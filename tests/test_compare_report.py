@@ -12,12 +12,16 @@ import pytest
 
 from bench.compare import (
     PYPROJECT,
+    complete,
+    default_settings,
     machine_line,
     merge_report,
     parse_strategy,
     resolved_settings,
     run_config,
     run_problem,
+    same_settings,
+    set_aside,
     split_outside_quotes,
     with_merged,
     write_report,
@@ -154,6 +158,32 @@ def test_a_run_is_reused_only_with_the_settings_it_ran_with(tmp_path):
     assert "pqlora.blocks" not in resolved_settings("strategy='fedavg'")
     assert resolved_settings("run-dir='/a'") == resolved_settings("run-dir='/b'")  # where it writes is not what it is
     assert resolved_settings("strategy='local' local.adapter='pqlora'")["pqlora.blocks"] == 24
+
+
+def test_a_key_added_after_a_run_matches_only_at_its_default(tmp_path):
+    """A run recorded before ``fraction-train`` existed is the same run while ``fraction-train`` stays 1.0."""
+    defaults = default_settings()
+    now = json.loads(json.dumps(resolved_settings("strategy='fedavg' seed=1")))
+    assert now["fraction-train"] == 1.0
+    before = {k: v for k, v in now.items() if k != "fraction-train"}
+    assert same_settings(before, now, defaults)
+    assert not same_settings(before, {**now, "fraction-train": 0.5}, defaults)
+    assert not same_settings({**now, "seed": 2}, now, defaults)
+    assert not same_settings({**now, "a-removed-key": 1}, now, defaults)
+
+    run_dir = tmp_path / "seed-1"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    (run_dir / "compare-run.json").write_text(json.dumps({"ok": True, "settings": before}))
+    assert complete(run_dir, now, defaults)
+    assert not complete(run_dir, {**now, "seed": 2}, defaults)
+    # a finished run with other settings is moved aside, never written over; twice gives two names
+    assert set_aside(run_dir) == tmp_path / "seed-1.superseded-1"
+    assert (tmp_path / "seed-1.superseded-1" / "metrics.jsonl").read_text() == "{}\n" and not run_dir.exists()
+    assert set_aside(run_dir) is None  # nothing finished there
+    run_dir.mkdir()
+    (run_dir / "compare-run.json").write_text("{}")
+    assert set_aside(run_dir) == tmp_path / "seed-1.superseded-2"
 
 
 def test_memory_is_the_largest_client_process_and_training_time_the_mean_per_client_round():
