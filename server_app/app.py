@@ -100,9 +100,8 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         connected = sorted(grid.get_node_ids()) or node_ids
         node_ids = _admit_new_nodes(grid, cfg, strategy, clients, refused, connected, admission)
         sampled, evaluated = round_participants(cfg, node_ids, clients, server_round)
-        report_rows = (
-            _collect_reports(grid, cfg, strategy, server_round, sampled) if strategy.wants_report(server_round) else {}
-        )
+        asked = strategy.report_nodes(server_round, sampled)
+        report_rows = _collect_reports(grid, cfg, strategy, server_round, asked) if asked else {}
         results = _train_round(grid, context, cfg, strategy, server_round, sampled)
         accepted = sum(len(r.contributors) for r in results)
         if accepted < cfg.min_train_replies:

@@ -170,6 +170,11 @@ class Strategy(ABC):
         ``wants_reports``, every round; fingerprint strategies ask only on the rounds they re-cluster)."""
         return self.wants_reports
 
+    def report_nodes(self, server_round: int, node_ids: list[int]) -> list[int]:
+        """Which of this round's (sampled) nodes the ServerApp asks for a report (default: all of them when
+        ``wants_report``; fingerprint strategies ask, between refreshes, only the clients without a fingerprint)."""
+        return list(node_ids) if self.wants_report(server_round) else []
+
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> Any:
         """Validate and decode one client's report (raise ValueError with the reason to leave it out)."""
         raise NotImplementedError(f"strategy {self.name} asks for no reports")

@@ -207,3 +207,31 @@ def test_figures_of_a_clustering_round_and_the_run(tmp_path):
     ]
     (figure,) = strategy.plot_run(rows, tmp_path)
     assert figure.name == "cluster-loss.png" and figure.stat().st_size > 5_000
+
+
+def test_under_sampling_clusters_grow_as_clients_are_first_sampled_and_absent_members_follow_their_cluster():
+    """ATLAS with half of the clients sampled: round 1's sample is clustered; clients sampled later join
+    the clustering with the fingerprint they report then; a cluster averages what came, and its members that sat
+    the round out are given the new cluster adapter."""
+    strategy = Atlas(AtlasSection(k=2), FingerprintSection())
+    strategy.initialise(clients(8))
+    tasks = [0, 1, 0, 1, 0, 1, 0, 1]
+    first = [100, 101, 102, 103]
+    strategy.observe_reports(1, {nid: report(nid - 100, tasks[nid - 100]) for nid in first})
+    assert strategy.members["small"] == [0, 1, 2, 3] and strategy.report()["atlas"]["small"]["purity"] == 1.0
+    second = [102, 104, 105, 106]
+    assert strategy.report_nodes(2, second) == [104, 105, 106]
+    strategy.observe_reports(2, {nid: report(nid - 100, tasks[nid - 100]) for nid in (104, 105, 106)})
+    row = strategy.report()["atlas"]["small"]
+    assert row["partitions"] == [0, 1, 2, 3, 4, 5, 6] and row["purity"] == 1.0
+    groups = strategy.train_groups(2, second)
+    assert sorted(sorted(g.members) for g in groups) == [[102, 104, 106], [105]]
+    strategy.update(2, [GroupResult(g.name, trained(len(g.members)), 1.0, g.members) for g in groups])
+    np.testing.assert_array_equal(strategy.eval_arrays(100)["a"], trained(3)["a"])  # sat out, same cluster as 102
+    np.testing.assert_array_equal(strategy.eval_arrays(101)["a"], trained(1)["a"])
+    np.testing.assert_array_equal(strategy.eval_arrays(107)["a"], np.zeros((3, 2)))  # never sampled: the initial
+
+
+def test_client_sampling_is_accepted_for_atlas_and_mira():
+    for name in ("atlas", "mira"):
+        assert load_run_config({"strategy": name, "fraction-train": 0.25}).fraction_train == 0.25

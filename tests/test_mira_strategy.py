@@ -148,3 +148,49 @@ def test_eta_zero_clients_train_only_their_own_adapter():
         start = mira_client.start(rt, neighbours)
         expected = trained(1)["a"] if eta == 0 else 0.5 * trained(1)["a"] + 0.5 * neighbours["a"]
         np.testing.assert_allclose(start["a"], expected, rtol=1e-6)
+
+
+def test_under_sampling_fingerprints_join_as_clients_are_first_sampled_and_absent_clients_keep_theirs():
+    """Round 1 samples 4 of 6: only they report and are placed; round 2 (no refresh) asks only the sampled clients
+    without a fingerprint, keeps the others', and mixes only the means of the clients that trained."""
+    strategy = Mira(MiraSection(eta=0.5), FingerprintSection())
+    strategy.initialise(clients(6))
+    first = [100, 101, 102, 103]
+    assert strategy.report_nodes(1, first) == first
+    strategy.observe_reports(1, {nid: report(nid - 100) for nid in first})
+    assert strategy.members["small"] == [0, 1, 2, 3]
+    groups = strategy.train_groups(1, first)
+    assert sorted(m for g in groups for m in g.members) == first
+    kept = {p: strategy.reports[p].fingerprint.copy() for p in (0, 1, 2, 3)}
+
+    second = [101, 103, 104, 105]
+    assert strategy.wants_report(2) and strategy.report_nodes(2, second) == [104, 105]  # 101 and 103 have one
+    strategy.observe_reports(2, {104: report(4, seed=9), 105: report(5, seed=9)})
+    assert strategy.members["small"] == list(range(6))
+    for p, fingerprint in kept.items():  # not asked again, not dropped: partitions 0 and 2 sat round 2 out
+        np.testing.assert_array_equal(strategy.reports[p].fingerprint, fingerprint)
+    assert not strategy.wants_report(3) and strategy.report_nodes(3, [100, 102]) == []
+    groups = strategy.train_groups(2, second)
+    assert sorted(m for g in groups for m in g.members) == second  # only the sampled train
+    means = {g.name: trained(g.members[0] - 100) for g in groups}
+    strategy.update(2, [GroupResult(name, mean, 1.0, []) for name, mean in means.items()])
+    # partition 0's neighbour term mixes only what trained in round 2 (1, 3, 4, 5), with its row's weights
+    a = strategy.adjacency["small"]
+    present = [1, 3, 4, 5]
+    w = a[0, present] / a[0, present].sum()
+    expected = sum(wi * trained(p)["a"] for wi, p in zip(w, present))
+    np.testing.assert_allclose(strategy.eval_arrays(100)["a"], expected, rtol=1e-5)
+
+
+def test_a_refresh_under_sampling_replaces_only_the_reporters_fingerprints():
+    strategy = Mira(MiraSection(refresh_every=2), FingerprintSection())
+    strategy.initialise(clients(4))
+    strategy.observe_reports(1, {100 + i: report(i) for i in range(4)})
+    before = {p: r.fingerprint.copy() for p, r in strategy.reports.items()}
+    assert strategy.report_nodes(3, [100, 101]) == [100, 101]  # round 3 refreshes: every sampled client
+    bad = report(1, size=7)  # a wrong layout: left out, and it sits out until it sends a valid one
+    left_out = strategy.observe_reports(3, {100: report(0, seed=5), 101: bad})
+    assert list(left_out) == [101] and 1 not in strategy.reports
+    assert not np.array_equal(strategy.reports[0].fingerprint, before[0])
+    for p in (2, 3):
+        np.testing.assert_array_equal(strategy.reports[p].fingerprint, before[p])

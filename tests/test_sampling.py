@@ -117,3 +117,47 @@ def test_twenty_clients_a_quarter_sampled_train_through_secagg(tiny_llama_dir, t
         assert trained == sample_nodes(partition_of, 0.25, 3, seed=0, server_round=server_round)
         trained_partitions.append(sorted(partition_of[n] for n in trained))
     assert trained_partitions[0] != trained_partitions[1]
+
+
+@pytest.mark.e2e
+def test_atlas_under_sampling_asks_each_client_for_its_fingerprint_once(tiny_llama_dir, tmp_path):
+    """ATLAS, 8 simulated clients, half sampled per round (in-process, tiny model): round 1's sample reports
+    fingerprints and is clustered; round 2 asks only its newly sampled clients, who join the clustering; only the
+    sampled train."""
+    from child import run_in_child
+
+    run_dir = tmp_path / "run"
+    config = {
+        "strategy": "atlas",
+        "model.name": str(tiny_llama_dir),
+        "model.quantization": "fp32",
+        "model.device": "cpu",
+        "num-server-rounds": 2,
+        "fraction-train": 0.5,
+        "train.local-steps": 1,
+        "eval.max-examples": 2,
+        "eval.max-new-tokens": 1,
+        "fingerprint.batches": 2,
+        "atlas.k": 2,
+        "run-dir": str(run_dir),
+        "node-wait-timeout": 120.0,
+    }
+    run_in_child("test_toy_strategy", "run_in_process", config, 8, timeout=900)
+    rows = _rows(run_dir)
+    partition_of = {r["node"]: r["partition_id"] for r in rows if r["node"] is not None}
+    reported: list[set[int]] = []
+    for server_round in (1, 2):
+        aggregate = next(r for r in rows if r["round"] == server_round and r["node"] is None)
+        clients = [r for r in rows if r["round"] == server_round and r["node"] is not None]
+        assert sorted(r["node"] for r in clients if r.get("accepted")) == sorted(aggregate["sampled"])
+        assert len(aggregate["sampled"]) == 4
+        reported.append({partition_of[r["node"]] for r in clients if r.get("report_bytes")})
+        clustered = set(next(iter(aggregate["atlas"].values()))["partitions"])
+        assert clustered == set().union(*reported)  # exactly the clients that have reported so far
+    sampled = [
+        {partition_of[n] for n in next(r for r in rows if r["round"] == k and r["node"] is None)["sampled"]}
+        for k in (1, 2)
+    ]
+    assert sampled[1] & sampled[0] and sampled[1] - sampled[0]  # seed 0 draws both kinds in round 2
+    assert reported[0] == sampled[0]
+    assert reported[1] == sampled[1] - sampled[0]  # asked once: those sampled in round 1 are not asked again

@@ -3,14 +3,11 @@ task (ATLAS) or connect them by task similarity (MIRA)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from pydantic import Field
 
 from common.config import Section
-
-if TYPE_CHECKING:
-    from common.config import RunConfig
 
 
 class FingerprintSection(Section):
@@ -34,12 +31,3 @@ class FingerprintSection(Section):
     ema_decay: float = Field(0.0, ge=0, lt=1)
     noise_scale: float = Field(0.0, ge=0)
     keep_fraction: float = Field(1.0, gt=0, le=1)
-
-    def check(self, cfg: RunConfig) -> None:
-        if cfg.fraction_train < 1:
-            # A refresh replaces a family's fingerprints with the reporters', so with sampling every round would
-            # re-cluster (ATLAS: re-allocate ranks) over that round's sample: not built yet (issue 33).
-            raise ValueError(
-                f"fraction-train: {cfg.strategy} re-groups clients by fingerprints that every client reports; "
-                "client sampling is not supported for it yet (fraction-train=1)"
-            )

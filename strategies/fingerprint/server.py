@@ -110,10 +110,23 @@ class FingerprintStrategy(Strategy):
                     f"groups clients within a base model, so SecAgg+ would leak their updates"
                 )
 
+    def refreshes(self, server_round: int) -> bool:
+        """Whether every client taking part this round reports a new fingerprint (round 1, then every
+        ``refresh_every`` rounds)."""
+        return server_round == 1 or (self.refresh_every > 0 and (server_round - 1) % self.refresh_every == 0)
+
     def wants_report(self, server_round: int) -> bool:
-        if server_round == 1 or any(p not in self.reports for p in self.family_of_partition):
-            return True  # and again while a client's fingerprint is missing (it was left out, or it joined late)
-        return self.refresh_every > 0 and (server_round - 1) % self.refresh_every == 0
+        # and again while a client's fingerprint is missing (it was left out, not sampled yet, or it joined late)
+        return self.refreshes(server_round) or any(p not in self.reports for p in self.family_of_partition)
+
+    def report_nodes(self, server_round: int, node_ids: list[int]) -> list[int]:
+        """On a refresh round every sampled client; between refreshes only the sampled clients without a
+        fingerprint. A fingerprint is taken at the run's initial adapter, so it describes the client's data
+        whichever round it was taken in: with sampling, one taken when a client is first sampled is as current as
+        round 1's, and the clients that sit a round out keep theirs."""
+        if self.refreshes(server_round):
+            return list(node_ids)
+        return [nid for nid in node_ids if self.partition_of.get(nid) not in self.reports]
 
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
         return read_fingerprint(arrays, metrics)
@@ -125,18 +138,19 @@ class FingerprintStrategy(Strategy):
             if nid in self.partition_of:
                 fresh.setdefault(self.family_of_partition[self.partition_of[nid]], {})[nid] = report
         for family, family_reports in sorted(fresh.items()):
-            # a refresh replaces the family's fingerprints: a client without a valid one now sits this out
-            for pid in [p for p, f in self.family_of_partition.items() if f == family]:
-                self.reports.pop(pid, None)
-            # comparable only with the same sketch and layers: the layout most of the family sent wins
-            layouts = [(r.fingerprint.size, tuple(r.layer_names)) for r in family_reports.values()]
-            common = max(set(layouts), key=layouts.count)
+            # a report replaces its client's fingerprint; the clients that did not report (not sampled) keep theirs.
+            # Comparable only with the same sketch and layers: the layout most of the family has wins.
+            reporters = {self.partition_of[nid] for nid in family_reports}
+            kept = [r for p, r in self.reports.items() if self.family_of_partition[p] == family and p not in reporters]
+            layouts = [(r.fingerprint.size, tuple(r.layer_names)) for r in [*family_reports.values(), *kept]]
+            common = max(sorted(set(layouts)), key=layouts.count)
             for nid, report in family_reports.items():
                 if (report.fingerprint.size, tuple(report.layer_names)) != common:
                     left_out[nid] = (
                         f"fingerprint has {report.fingerprint.size} numbers over {len(report.layer_names)} layers, "
                         f"the family's others {common[0]} over {len(common[1])}"
                     )
+                    self.reports.pop(self.partition_of[nid], None)  # it sits out until it sends a valid one
                 else:
                     self.reports[self.partition_of[nid]] = report
         self.refresh(server_round, sorted(fresh))
