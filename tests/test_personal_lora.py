@@ -178,3 +178,30 @@ def test_no_strategy_can_take_the_personal_sections_key():
     with pytest.raises(ValueError, match="'personal' is empty or taken"):
         register(StrategySpec(**{**spec.__dict__, "section": ClashingSection}))
     assert "clashing" not in REGISTRY
+
+
+@pytest.mark.parametrize("local_path", ["pq", "lora"])
+def test_the_gates_step_at_their_own_rate(tiny_llama_dir, local_path):
+    """``pqlora.gate-learning-rate`` gives the gate logits a group of their own; at 0 (the default) they step with
+    P/Q. A larger rate moves beta farther in the same steps (at the P/Q rate it barely leaves 0.5)."""
+    from common.adapters.pqlora import PQLoraSection, get_gates
+
+    flat = {"strategy": "simgrad", "simgrad.local-path": local_path, "pqlora.r": 2, "pqlora.blocks": 2}
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    moved = {}
+    for gate_lr in (0.0, 1.0):
+        adapter, cfg, keys = build(tiny_llama_dir, {**flat, "pqlora.gate-learning-rate": gate_lr})
+        adapter.begin(node_state(1, keys), {k: np.full_like(v, 0.01) for k, v in adapter.initial.items()})
+        adapter.prepare_training(None)
+        groups = adapter.lr_groups()
+        if gate_lr:
+            gates, scale = groups[-1]
+            assert len(gates) == 2 and scale == pytest.approx(1.0 / cfg.section(PQLoraSection).learning_rate)
+            grouped = [id(p) for ps, _ in groups for p in ps]
+            assert sorted(grouped) == sorted(id(p) for p in adapter.model.parameters() if p.requires_grad)
+        else:  # no gate group: the pq path has none at all, the lora path only the personal LoRA's
+            assert groups is None if local_path == "pq" else len(groups) == 2
+        lr = cfg.train_settings().learning_rate
+        train_round(adapter.model, tokenizer, EXAMPLES, cfg.train_settings(), lr, seed=0, lr_groups=groups)
+        moved[gate_lr] = max(abs(b - 0.5) for b in get_gates(adapter.model))
+    assert moved[1.0] > 2 * moved[0.0] > 0

@@ -18,6 +18,7 @@ from .model import (
     attach_pqlora,
     block_grad_norms,
     detach_pqlora,
+    gate_parameters,
     get_gates,
     get_local_state,
     get_pq_arrays,
@@ -51,6 +52,7 @@ class PQLoraAdapter:
 
     def __init__(self, base: nn.Module, cfg: RunConfig) -> None:
         self.pq_config = cfg.section(PQLoraSection).adapter_config(cfg.seed, self.trains_global)
+        self.gate_lr_scale = cfg.section(PQLoraSection).gate_lr_scale
         self.model = attach_pqlora(base, self.pq_config)
         self.initial = get_pq_arrays(self.model, "local")  # zeros: the global part every client starts from
 
@@ -74,7 +76,18 @@ class PQLoraAdapter:
         set_trainable_blocks(self.model, active)
 
     def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
-        return None
+        if self.gate_lr_scale == 1.0:
+            return None
+        return self.with_gate_group([([p for p in self.model.parameters() if p.requires_grad], 1.0)])
+
+    def with_gate_group(self, groups: list[tuple[list[nn.Parameter], float]]) -> list[tuple[list[nn.Parameter], float]]:
+        """``groups`` with the trainable gate logits moved into a group of their own at ``pqlora.gate-learning-rate``
+        (unchanged when that is the P/Q rate)."""
+        if self.gate_lr_scale == 1.0:
+            return groups
+        gates = [p for p in gate_parameters(self.model) if p.requires_grad]
+        moved = {id(p) for p in gates}
+        return [([p for p in ps if id(p) not in moved], scale) for ps, scale in groups] + [(gates, self.gate_lr_scale)]
 
     def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
         """The local P/Q of the active blocks, with the gates and the blocks as metrics."""

@@ -33,11 +33,19 @@ class PQLoraSection(Section):
     # cross-model mix raise a Qwen client's loss (tests/test_e2e_simgrad.py); with the personal LoRA (SimGrad's
     # default local path now) that test passes at 3e-2 (docs/comparing.md, "Comparing strategies").
     learning_rate: float = Field(3e-2, gt=0, le=1)
+    # The gate logits' own rate (0: ``learning_rate``). At 3e-2 a gate moves by at most ~0.7 in 24 Adam steps, so
+    # beta stays near its initial 0.5 (0.43-0.57 measured) and cannot shut a global path that hurts its client.
+    gate_learning_rate: float = Field(0.0, ge=0, le=10)
 
     _csv = field_validator("target_modules", mode="before")(split_csv)
 
     def train_overrides(self) -> dict[str, Any]:
         return {"learning_rate": self.learning_rate}
+
+    @property
+    def gate_lr_scale(self) -> float:
+        """The gates' learning rate as a multiple of the P/Q one (1.0 when ``gate-learning-rate`` is 0)."""
+        return self.gate_learning_rate / self.learning_rate if self.gate_learning_rate else 1.0
 
     def adapter_config(self, seed: int, trains_global: bool = False) -> PQLoraConfig:
         """What is attached to a model: these settings with the run's seed (shared A/B across the federation)."""

@@ -51,7 +51,7 @@ class PQLoraDualAdapter(PQLoraAdapter):
         self.personal.make_trainable()
 
     def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
-        return self.personal.lr_groups(self.model)
+        return self.with_gate_group(self.personal.lr_groups(self.model))
 
     def end(self, state: ClientState) -> None:
         super().end(state)

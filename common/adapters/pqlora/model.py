@@ -129,6 +129,11 @@ def get_gates(model: nn.Module) -> list[float]:
     return [float(gates.beta(i).detach()) for i in range(len(gates.logits))]
 
 
+def gate_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The gate logit of every adapted block (trainable or not), in block order."""
+    return list(_gates(model).logits)
+
+
 def get_local_state(model: nn.Module) -> dict[str, np.ndarray]:
     """One client's private state: P_L/Q_L (``block{i}.{proj}.P``/``.Q``) and gate logits (``block{i}.gate``, 0-d)."""
     return {k: _np(v) for k, v in sorted(_slots(model, _LOCAL).items())}
