@@ -69,9 +69,24 @@ def test_a_secure_sample_never_falls_below_a_secagg_group():
         load_run_config({"fraction-train": 0})
 
 
-def _rows(run_dir) -> list[dict]:
+def _run_tiny(tiny_llama_dir, tmp_path, config: dict, clients: int) -> list[dict]:
+    """A 2-round in-process federation of ``clients`` on the tiny model with ``config`` on top; its metrics rows."""
     import json
 
+    from child import run_in_child
+
+    run_dir = tmp_path / "run"
+    base = {
+        "model.name": str(tiny_llama_dir),
+        "model.quantization": "fp32",
+        "model.device": "cpu",
+        "num-server-rounds": 2,
+        "eval.max-examples": 2,
+        "eval.max-new-tokens": 1,
+        "run-dir": str(run_dir),
+        "node-wait-timeout": 120.0,
+    }
+    run_in_child("test_toy_strategy", "run_in_process", {**base, **config}, clients, timeout=900)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
@@ -80,28 +95,16 @@ def test_twenty_clients_a_quarter_sampled_train_through_secagg(tiny_llama_dir, t
     """FedAvg, secure, 20 simulated clients, fraction-train=0.25 (in-process, tiny model): each round exactly the 5
     sampled clients train (one SecAgg+ group of 5), they are the ones the seeded draw names, and the aggregate row
     lists them."""
-    from child import run_in_child
-
-    run_dir = tmp_path / "run"
     config = {
         "strategy": "fedavg",
         "secure": True,
-        "model.name": str(tiny_llama_dir),
-        "model.quantization": "fp32",
-        "model.device": "cpu",
-        "num-server-rounds": 2,
         "min-train-replies": 3,
         "fraction-train": 0.25,
         "fraction-evaluate": 0.25,
         "evaluate-all-every": 2,  # rounds 0 and 2: every client (so every node's partition is in the rows)
         "train.local-steps": 2,
-        "eval.max-examples": 2,
-        "eval.max-new-tokens": 1,
-        "run-dir": str(run_dir),
-        "node-wait-timeout": 120.0,
     }
-    run_in_child("test_toy_strategy", "run_in_process", config, 20, timeout=900)
-    rows = _rows(run_dir)
+    rows = _run_tiny(tiny_llama_dir, tmp_path, config, clients=20)
     partition_of = {r["node"]: r["partition_id"] for r in rows if r["node"] is not None}
     assert sorted(partition_of.values()) == list(range(20))
     evaluated = [sum(1 for r in rows if r["round"] == k and r["node"] is not None) for k in (0, 1, 2)]
@@ -124,26 +127,9 @@ def test_atlas_under_sampling_asks_each_client_for_its_fingerprint_once(tiny_lla
     """ATLAS, 8 simulated clients, half sampled per round (in-process, tiny model): round 1's sample reports
     fingerprints and is clustered; round 2 asks only its newly sampled clients, who join the clustering; only the
     sampled train."""
-    from child import run_in_child
-
-    run_dir = tmp_path / "run"
-    config = {
-        "strategy": "atlas",
-        "model.name": str(tiny_llama_dir),
-        "model.quantization": "fp32",
-        "model.device": "cpu",
-        "num-server-rounds": 2,
-        "fraction-train": 0.5,
-        "train.local-steps": 1,
-        "eval.max-examples": 2,
-        "eval.max-new-tokens": 1,
-        "fingerprint.batches": 2,
-        "atlas.k": 2,
-        "run-dir": str(run_dir),
-        "node-wait-timeout": 120.0,
-    }
-    run_in_child("test_toy_strategy", "run_in_process", config, 8, timeout=900)
-    rows = _rows(run_dir)
+    config = {"strategy": "atlas", "fraction-train": 0.5, "train.local-steps": 1, "fingerprint.batches": 2}
+    config["atlas.k"] = 2
+    rows = _run_tiny(tiny_llama_dir, tmp_path, config, clients=8)
     partition_of = {r["node"]: r["partition_id"] for r in rows if r["node"] is not None}
     reported: list[set[int]] = []
     for server_round in (1, 2):
