@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from flwr.app import Context, Message
 
+from common.adapters import ReportsBound
 from common.config import TrainSection
 from common.evaluation import evaluate
 from common.logs import get_logger
@@ -179,12 +180,26 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
         metrics["rouge_l"],
     )
     rt.adapter.end(rt.state)  # keep the newest received part (kinds with client state)
+    if server_round == rt.cfg.num_server_rounds and isinstance(rt.adapter, ReportsBound):
+        metrics.update(
+            rt.adapter.final_report(rt.tokenizer, rt.train, rt.cfg.eval.batch_size, rt.cfg.train.max_seq_len)
+        )
+        log.info("node %s (partition %d) bound: %s", context.node_id, rt.partition_id, _bound_line(metrics))
     if server_round == rt.cfg.num_server_rounds:  # the client's own copy, where the server's lacks parts
         out = rt.strategy.save(rt, rt.cfg.run_path() / "client-adapters" / f"partition-{rt.partition_id}")
         if out is not None:
             metrics["adapter_dir"] = str(out)
     metrics.update(rt.identity())
     return Message(metrics_reply(metrics), reply_to=msg)
+
+
+def _bound_line(metrics: dict[str, Any]) -> str:
+    return (
+        f"{metrics['bound_code_bits']} bits ({metrics['bound_raw_bits']} raw), train "
+        f"{metrics['bound_train_bits_per_token']:.3f} bits/token -> bound {metrics['bound_bits_per_token']:.3f}, "
+        f"top-1 error {metrics['bound_train_top1_error']:.3f} -> bound {metrics['bound_top1_error']:.3f} "
+        f"(m = {metrics['bound_examples']})"
+    )
 
 
 HANDLERS = {"query": query, "train": train, "evaluate": evaluate_handler}

@@ -33,16 +33,13 @@ def exact_match(prediction: str, reference: str) -> float:
     return float(normalise(prediction) == normalise(reference))
 
 
-@torch.no_grad()
-def example_losses(model, tokenizer, examples: list[Example], batch_size: int, max_len: int) -> list[tuple[float, int]]:
-    """Per example, in the given order: (summed cross-entropy over its answer tokens, number of answer tokens).
-
-    Examples are batched in order of length, so a batch pads to similar lengths (fewer wasted positions).
-    """
+def _answer_logits(model, tokenizer, examples: list[Example], batch_size: int, max_len: int):
+    """Per batch (in order of length, so a batch pads to similar lengths): the examples' indices, the logits at
+    the positions that predict an answer token (answer tokens in the batch, vocabulary), those tokens, and each
+    logit row's row in the batch."""
     device = next(model.parameters()).device
     encoded = [encode(tokenizer, e, max_len) for e in examples]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
-    out: list[tuple[float, int]] = [(0.0, 0)] * len(encoded)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         batch = collate([encoded[i] for i in chunk], tokenizer.pad_token_id)
@@ -53,15 +50,50 @@ def example_losses(model, tokenizer, examples: list[Example], batch_size: int, m
         keep[:, :-1] = batch["labels"][:, 1:] != -100
         logits = model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
-        ).logits.float()  # (answer tokens in the batch, vocabulary)
-        token_losses = torch.nn.functional.cross_entropy(logits, batch["labels"][:, 1:][keep[:, :-1]], reduction="none")
-        rows = keep.nonzero()[:, 0]
-        sums = torch.zeros(len(chunk), dtype=torch.float64, device=rows.device).index_add_(
-            0, rows, token_losses.double()
+        ).logits.float()
+        yield chunk, logits, batch["labels"][:, 1:][keep[:, :-1]], keep.nonzero()[:, 0]
+
+
+def _per_row(values: torch.Tensor, rows: torch.Tensor, n: int) -> list[float]:
+    """Sums of ``values`` per batch row."""
+    return torch.zeros(n, dtype=torch.float64, device=rows.device).index_add_(0, rows, values.double()).tolist()
+
+
+@torch.no_grad()
+def example_losses(model, tokenizer, examples: list[Example], batch_size: int, max_len: int) -> list[tuple[float, int]]:
+    """Per example, in the given order: (summed cross-entropy over its answer tokens, number of answer tokens)."""
+    out: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
+    for chunk, logits, targets, rows in _answer_logits(model, tokenizer, examples, batch_size, max_len):
+        token_losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+        sums, counts = (
+            _per_row(token_losses, rows, len(chunk)),
+            _per_row(torch.ones_like(token_losses), rows, len(chunk)),
         )
-        counts = keep.sum(dim=1)
         for row, i in enumerate(chunk):
-            out[i] = (float(sums[row]), int(counts[row]))
+            out[i] = (sums[row], int(counts[row]))
+    return out
+
+
+@torch.no_grad()
+def example_token_stats(
+    model, tokenizer, examples: list[Example], batch_size: int, max_len: int, smoothing: float
+) -> list[tuple[float, int, int]]:
+    """Per example, in the given order: (summed log-loss in bits of the prediction smoothed with the uniform
+    distribution, (1 - smoothing) p + smoothing / V, over its answer tokens; top-1 errors; answer tokens). The
+    smoothing bounds a token's loss by log2(V / smoothing) bits (what a generalisation bound needs)."""
+    out: list[tuple[float, int, int]] = [(0.0, 0, 0)] * len(examples)
+    for chunk, logits, targets, rows in _answer_logits(model, tokenizer, examples, batch_size, max_len):
+        p = torch.softmax(logits.double(), dim=-1).gather(1, targets[:, None])[:, 0]
+        bits = -torch.log2((1 - smoothing) * p + smoothing / logits.shape[-1])
+        errors = (logits.argmax(dim=-1) != targets).double()
+        n = len(chunk)
+        sums, wrong, counts = (
+            _per_row(bits, rows, n),
+            _per_row(errors, rows, n),
+            _per_row(torch.ones_like(bits), rows, n),
+        )
+        for row, i in enumerate(chunk):
+            out[i] = (sums[row], int(wrong[row]), int(counts[row]))
     return out
 
 

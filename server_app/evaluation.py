@@ -54,6 +54,7 @@ def evaluate_round(
         if isinstance(metrics, dict):
             row.update({k: metrics.get(k) for k in EVAL_ROW_KEYS})
             row.update({k: metrics[k] for k in EVAL_ROW_EXTRAS if k in metrics})
+            row.update({k: v for k, v in metrics.items() if k.startswith("bound_")})  # an adapter's bound (SubLoRA)
             row.update(
                 {
                     k.replace("-", "_"): metrics.get(k)

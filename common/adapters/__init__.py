@@ -3,18 +3,21 @@
 Each kind is one place (``lora/``, ``pqlora/``, ``experts/``: config, per-layer math, model surgery, the
 client-side kind) and implements ``base.AdapterKind``; ``ADAPTER_KINDS`` is the one list of them. The dual-path
 kinds (``lora/dual.py``, ``pqlora/dual.py``) are thin subclasses that add the personal LoRA of ``personal/``, which
-never travels. ``experts/`` is VEMoE's pool of LoRA experts with token routing.
+never travels. ``experts/`` is VEMoE's pool of LoRA experts with token routing; ``sublora/`` is LoRA in a random
+subspace (only alpha travels).
 """
 
-from .base import AdapterKind, Arrays, ClientState, UndeclaredStateError
+from .base import AdapterKind, Arrays, ClientState, ReportsBound, UndeclaredStateError
 from .experts.adapter import ExpertsAdapter
 from .lora import LoraAdapter, attach_lora, get_adapter_arrays, lora_config, save_peft_adapter, set_adapter_arrays
 from .lora.dual import LoraDualAdapter
 from .pqlora import PQLoraAdapter
 from .pqlora.dual import PQLoraDualAdapter
+from .sublora import SubLoraAdapter
 
 ADAPTER_KINDS: dict[str, type[AdapterKind]] = {
-    kind.name: kind for kind in (LoraAdapter, PQLoraAdapter, LoraDualAdapter, PQLoraDualAdapter, ExpertsAdapter)
+    kind.name: kind
+    for kind in (LoraAdapter, PQLoraAdapter, LoraDualAdapter, PQLoraDualAdapter, ExpertsAdapter, SubLoraAdapter)
 }
 
 
@@ -30,6 +33,7 @@ __all__ = [
     "AdapterKind",
     "Arrays",
     "ClientState",
+    "ReportsBound",
     "UndeclaredStateError",
     "adapter_kind",
     "attach_lora",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from common.config import RunConfig, Section
+    from common.data import Example
 
 Arrays = dict[str, np.ndarray]
 
@@ -128,4 +129,14 @@ class AdapterKind(Protocol):
     @staticmethod
     def save_server_copy(arrays: Arrays, cfg: RunConfig, base_model_name: str, out_dir: Path) -> Path:
         """Write the server's final arrays of this kind (a PEFT directory where the kind has one)."""
+        ...
+
+
+@runtime_checkable
+class ReportsBound(Protocol):
+    """An adapter kind that reports a generalisation bound on the client's training data at the end of a run
+    (SubLoRA's compression bound): ``bound_*`` metrics of the last evaluation, copied into metrics.jsonl."""
+
+    def final_report(self, tokenizer: Any, examples: list[Example], batch_size: int, max_len: int) -> dict[str, Any]:
+        """The bound's metrics (``bound_*`` names) for the adapter attached now."""
         ...

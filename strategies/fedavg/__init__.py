@@ -1,5 +1,6 @@
-"""FedAvg: the example-weighted mean of full LoRA adapters, per base-model family. Its math is
-``strategies.aggregation.weighted_mean`` (shared); its client half adds nothing to the base one.
+"""FedAvg: the example-weighted mean of full LoRA adapters (or of SubLoRA's alpha: ``fedavg.adapter``), per
+base-model family. Its math is ``strategies.aggregation.weighted_mean`` (shared); its client half adds nothing to
+the base one.
 
 ``fedavg-dual`` is the same server over the global half of a dual-path adapter (``lora-dual``: a personal LoRA
 beside it stays on each client): the baseline for SimGrad's LoRA local path.
@@ -7,9 +8,17 @@ beside it stays on each client): the baseline for SimGrad's LoRA local path.
 
 from ..client import StrategyClient
 from ..spec import StrategySpec
+from .config import FedAvgSection
 from .server import FedAvg, FedAvgDual, family_key
 
-SPEC = StrategySpec(name=FedAvg.name, server=FedAvg, client=StrategyClient, adapter="lora")
+SPEC = StrategySpec(
+    name=FedAvg.name,
+    server=FedAvg,
+    client=StrategyClient,
+    adapter="lora",
+    section=FedAvgSection,
+    adapter_from=lambda cfg: cfg.section(FedAvgSection).adapter,
+)
 SPEC_DUAL = StrategySpec(name=FedAvgDual.name, server=FedAvgDual, client=StrategyClient, adapter="lora-dual")
 
-__all__ = ["SPEC", "SPEC_DUAL", "FedAvg", "FedAvgDual", "family_key"]
+__all__ = ["SPEC", "SPEC_DUAL", "FedAvg", "FedAvgDual", "FedAvgSection", "family_key"]

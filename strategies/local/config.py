@@ -10,8 +10,9 @@ from common.config import Section
 class LocalSection(Section):
     """Local-only training: which adapter kind each client trains on its own.
 
-    adapter: ``lora`` (compare with FedAvg) or ``pqlora`` (compare with SimGrad: the same adapter, never mixed).
+    adapter: ``lora`` (compare with FedAvg), ``pqlora`` (compare with SimGrad: the same adapter, never mixed) or
+    ``sublora`` (compare with FedAvg of SubLoRA).
     """
 
     key: ClassVar[str] = "local"
-    adapter: Literal["lora", "pqlora"] = "lora"
+    adapter: Literal["lora", "pqlora", "sublora"] = "lora"

@@ -1,0 +1,53 @@
+"""What a SubLoRA adapter is (seed 004): a LoRA adapter whose A and B live in a random d-dimensional subspace,
+theta = theta_0 + P alpha, and how its generalisation bound is computed.
+
+``SubLoraSection`` is the run-config section (``sublora.*``). The LoRA shape (``r``, ``lora-alpha``,
+``target-modules``) is what ``PeftModel.from_pretrained`` gets when the adapter is exported; ``intrinsic-dim``,
+``projection``, ``allocation`` and ``seed`` define P, which every client builds from the seed and never sends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from common.config import Section, split_csv
+
+
+class SubLoraSection(Section):
+    """SubLoRA: LoRA (rank ``r`` on ``target-modules``) trained only through ``intrinsic-dim`` numbers alpha.
+
+    allocation: ``uniform`` (one projection for A and B), ``fixed`` (``allocation-ratio`` = d_B / d, separate
+    projections), ``learned`` (a gate per transformer block splits its coordinates between A and B, trained).
+    projection: ``fastfood`` (O(D) memory, any model size) or ``dense`` (a D x d matrix: small adapters only).
+    """
+
+    key: ClassVar[str] = "sublora"
+    intrinsic_dim: int = Field(1000, ge=2, le=1_000_000)  # d: the numbers a client trains and sends
+    r: int = Field(8, ge=1, le=256)
+    lora_alpha: float = Field(16.0, gt=0, allow_inf_nan=False)  # LoRA scale lora-alpha / r, as peft's
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+    projection: Literal["fastfood", "dense"] = "fastfood"
+    allocation: Literal["uniform", "fixed", "learned"] = "uniform"
+    allocation_ratio: float = Field(0.5, gt=0, lt=1)  # fixed mode: d_B / d
+    seed: int = Field(0, ge=0)  # theta_0 and P: the same on every client, so only alpha travels
+    # alpha's step (used instead of train.learning-rate when the adapter is SubLoRA): a column of P has norm ~1, so
+    # a step of size s on every coordinate moves theta by ~s sqrt(d); LoRA's 2e-4 on all of its D numbers moves
+    # theta by ~2e-4 sqrt(D), about s = 4e-3 at d = 1,000 for SmolLM2.
+    learning_rate: float = Field(1e-2, gt=0, le=10)
+    # The bound (computed on each client's training data at the end): alpha quantised to ``quant-levels`` values by
+    # k-means, arithmetic-coded; ``bound-delta`` is the bound's failure probability; predictions are smoothed with
+    # the uniform distribution by ``bound-smoothing`` so that the log-loss is bounded (log2(V / smoothing) bits).
+    quant_levels: int = Field(16, ge=2, le=256)
+    bound_delta: float = Field(0.05, gt=0, lt=1)
+    bound_smoothing: float = Field(0.1, gt=0, lt=1)
+
+    _csv = field_validator("target_modules", mode="before")(split_csv)
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / self.r
+
+    def train_overrides(self) -> dict[str, Any]:
+        return {"learning_rate": self.learning_rate}

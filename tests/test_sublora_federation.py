@@ -1,0 +1,102 @@
+"""SubLoRA in a federation through the real ServerApp and ClientApp (in-process simulation, tiny model, 3 clients):
+FedAvg sends d numbers per client and round, plain and through SecAgg+ (the secure global alpha is the plain one
+to SecAgg+'s quantisation error), local-only keeps each client's alpha; every client exports a PEFT adapter and
+reports the compression bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from child import run_in_child
+
+from common.config import SecAggSection
+from strategies import load_run_config
+from strategies.aggregation import secagg_error_bound
+
+D = 48
+
+
+def config(tiny_llama_dir, run_dir: Path, **extra) -> dict:
+    return {
+        "strategy": "fedavg",
+        "fedavg.adapter": "sublora",
+        "sublora.intrinsic-dim": D,
+        "sublora.r": 2,
+        "sublora.learning-rate": 0.05,
+        "model.name": str(tiny_llama_dir),
+        "model.quantization": "fp32",
+        "model.device": "cpu",
+        "num-server-rounds": 2,
+        "min-train-replies": 3,
+        "train.local-steps": 4,
+        "train.batch-size": 2,
+        "eval.max-examples": 4,
+        "eval.max-new-tokens": 2,
+        "run-dir": str(run_dir),
+        "node-wait-timeout": 120.0,
+        **extra,
+    }
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _global_alpha(run_dir: Path) -> np.ndarray:
+    from server_app.rundir import RunDirectory
+
+    _, state = RunDirectory(run_dir).load_checkpoint()
+    return state["global"]["alpha"]
+
+
+def test_the_strategies_that_carry_sublora_pick_it_from_the_config():
+    assert load_run_config({"strategy": "fedavg", "fedavg.adapter": "sublora"}).adapter == "sublora"
+    assert load_run_config({"strategy": "fedavg"}).adapter == "lora"
+    assert load_run_config({"strategy": "local", "local.adapter": "sublora"}).adapter == "sublora"
+
+
+@pytest.mark.e2e
+def test_fedavg_of_sublora_sends_d_numbers_plain_and_secure_and_every_client_reports_its_bound(
+    tiny_llama_dir, tmp_path
+):
+    alphas = {}
+    for secure in (False, True):
+        run_dir = tmp_path / f"secure-{secure}"
+        run_in_child("test_toy_strategy", "run_in_process", config(tiny_llama_dir, run_dir, secure=secure), 3)
+        rows = _rows(run_dir)
+        for server_round in (1, 2):
+            trained = [r for r in rows if r["round"] == server_round and r["node"] is not None]
+            assert len(trained) == 3 and all(r["accepted"] for r in trained)
+            # what a client sent: alpha's d float32 numbers (the evaluation messages carry nothing up)
+            assert all(r["bytes_up"] == 4 * D for r in trained), [r["bytes_up"] for r in trained]
+        last = [r for r in rows if r["round"] == 2 and r["node"] is not None]
+        for row in last:
+            assert row["bound_code_bits"] < row["bound_raw_bits"]  # the code is shorter than alpha in float32
+            assert row["bound_bits_per_token"] > row["bound_train_bits_per_token"] > 0
+            assert 0 <= row["bound_train_top1_error"] <= row["bound_top1_error"] <= 1
+            adapter = run_dir / "client-adapters" / f"partition-{row['partition_id']}"
+            assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+        mean = {r["round"]: r["eval_loss"] for r in rows if r["node"] is None}
+        assert mean[2] < mean[0]  # the federation's held-out loss fell (per client: the real-model e2e test)
+        assert (run_dir / "adapter" / "sublora.json").exists()  # the server's copy: alpha and how to rebuild P
+        alphas[secure] = _global_alpha(run_dir)
+    assert np.any(alphas[False])
+    step = secagg_error_bound([1.0] * 3, SecAggSection().clipping_range, SecAggSection().quantization_range)
+    assert np.abs(alphas[False] - alphas[True]).max() <= 4 * step  # two rounds of SecAgg+'s quantisation error
+
+
+@pytest.mark.e2e
+def test_local_only_sublora_keeps_each_clients_own_alpha(tiny_llama_dir, tmp_path):
+    run_dir = tmp_path / "local"
+    cfg = config(tiny_llama_dir, run_dir, strategy="local", **{"local.adapter": "sublora"})
+    del cfg["fedavg.adapter"]
+    run_in_child("test_toy_strategy", "run_in_process", cfg, 3)
+    rows = _rows(run_dir)
+    last = [r for r in rows if r["round"] == 2 and r["node"] is not None]
+    assert len(last) == 3 and all(r["bytes_up"] == 0 for r in last)  # nothing leaves a local-only client
+    saved = [np.load(run_dir / "client-adapters" / f"partition-{r['partition_id']}" / "subspace.npz") for r in last]
+    assert all(np.any(s["alpha"]) for s in saved)
+    assert not np.allclose(saved[0]["alpha"], saved[1]["alpha"])  # each client trained its own
