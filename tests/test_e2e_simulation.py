@@ -132,6 +132,25 @@ def test_fedavg_secure_matches_plain(plain_run, flwr_home, tmp_path):
     assert max(float(np.abs(plain[k]).max()) for k in plain if "lora_B" in k) > 100 * bound  # a real update
 
 
+def test_sublora_fedavg_through_secagg_sends_d_numbers_and_every_client_learns(flwr_home, tmp_path):
+    """Issue 34's end-to-end run: SubLoRA clients (d = 1,000) averaged by FedAvg through SecAgg+ on the real model."""
+    run_dir = tmp_path / "sublora"
+    overrides = "fedavg.adapter='sublora' sublora.intrinsic-dim=1000 secure=true min-train-replies=3"
+    proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=1 {overrides} run-dir='{run_dir}'")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "SecAgg+" in proc.stdout + proc.stderr
+    rows = read_metrics(run_dir)
+    assert_every_client_improved(rows, 1)
+    last = per_client(rows, 1)
+    assert all(r["bytes_up"] == 4 * 1000 and r["accepted"] for r in last.values())  # alpha only: d float32s
+    for row in last.values():  # the bound, from each client's own training data
+        assert row["bound_code_bits"] < row["bound_raw_bits"] and row["bound_examples"] > 0
+        assert row["bound_bits_per_token"] > row["bound_train_bits_per_token"] > 0
+        exported = run_dir / "client-adapters" / f"partition-{row['partition_id']}"
+        assert (exported / "adapter_model.safetensors").exists()  # theta_0 + P alpha, as a PEFT adapter
+    assert np.any(global_adapter(run_dir)["alpha"])
+
+
 def test_invalid_config_fails_before_round_one_naming_the_key(flwr_home, tmp_path):
     run_dir = tmp_path / "bad"
     proc = flwr_run(flwr_home, f"train.local-steps=0 run-dir='{run_dir}'", timeout=300)
