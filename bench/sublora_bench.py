@@ -49,7 +49,9 @@ def run_one(base, tokenizer, flat: dict[str, Any], args) -> tuple[dict[str, Any]
     train, held_out = client_data(cfg.data, args.partition, args.clients, cfg.seed)
     held_out = held_out[: args.eval_examples]
     adapter.begin(None, adapter.initial)  # type: ignore[arg-type]  # neither LoRA nor SubLoRA reads client state
-    before = answer_loss(adapter.model, tokenizer, held_out, cfg.eval.batch_size, cfg.train.max_seq_len)
+    if args.before is None:  # every adapter starts as the base model: its held-out loss once
+        args.before = answer_loss(adapter.model, tokenizer, held_out, cfg.eval.batch_size, cfg.train.max_seq_len)
+    before = args.before
     start = time.perf_counter()
     settings = cfg.train_settings()
     losses = []
@@ -119,7 +121,7 @@ def main() -> None:
     parser.add_argument("--no-lora", action="store_true", help="skip the LoRA reference row")
     parser.add_argument("--out", default="runs/sublora-bench")
     args = parser.parse_args()
-    args.partition, args.clients = 0, 1
+    args.partition, args.clients, args.before = 0, 1, None
     common: dict[str, Any] = {
         "strategy": "local",
         "data.tasks": args.task,
@@ -139,8 +141,8 @@ def main() -> None:
     plan: list[tuple[str, int | None, int, dict[str, Any]]] = []
     if not args.no_lora:
         plan += [("lora r=8", None, s, {"seed": s}) for s in seeds]
-    for mode in args.modes.split(","):
-        for dim in (int(x) for x in args.dims.split(",")):
+    for dim in (int(x) for x in args.dims.split(",")):
+        for mode in args.modes.split(","):
             for s in seeds:
                 flat = {"local.adapter": "sublora", "sublora.intrinsic-dim": dim, "sublora.seed": s, "seed": s}
                 plan.append((f"sublora {mode}", dim, s, {**flat, **mode_overrides(mode)}))
