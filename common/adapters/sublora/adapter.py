@@ -102,6 +102,7 @@ class SubLoraAdapter:
         ``bound``): ``bound_*`` metrics. The coding is checked to decode to the same indices; alpha is restored."""
         from common.evaluation import example_token_stats
 
+        examples = examples[: self.sub.bound_examples or None]
         arrays = get_arrays(self.model)
         codebook, indices = bound.quantise(arrays[ALPHA], self.sub.quant_levels, seed=self.sub.seed)
         words, counts = bound.encode(indices, len(codebook))

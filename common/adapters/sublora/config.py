@@ -42,6 +42,10 @@ class SubLoraSection(Section):
     # k-means, arithmetic-coded; ``bound-delta`` is the bound's failure probability; predictions are smoothed with
     # the uniform distribution by ``bound-smoothing`` so that the log-loss is bounded (log2(V / smoothing) bits).
     quant_levels: int = Field(16, ge=2, le=256)
+    # The first this-many training examples are the bound's sample (0: all). Occam's bound holds for every alpha at
+    # once on any i.i.d. sample fixed before training, so a prefix of the training data is a valid sample; a larger
+    # one tightens the bound and costs two forward passes over it at the last round.
+    bound_examples: int = Field(64, ge=0)
     bound_delta: float = Field(0.05, gt=0, lt=1)
     bound_smoothing: float = Field(0.1, gt=0, lt=1)
 
