@@ -180,12 +180,13 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
         metrics["rouge_l"],
     )
     rt.adapter.end(rt.state)  # keep the newest received part (kinds with client state)
-    if server_round == rt.cfg.num_server_rounds and isinstance(rt.adapter, ReportsBound):
-        metrics.update(
-            rt.adapter.final_report(rt.tokenizer, rt.train, rt.cfg.eval.batch_size, rt.cfg.train.max_seq_len)
-        )
-        log.info("node %s (partition %d) bound: %s", context.node_id, rt.partition_id, _bound_line(metrics))
-    if server_round == rt.cfg.num_server_rounds:  # the client's own copy, where the server's lacks parts
+    if server_round == rt.cfg.num_server_rounds:
+        if isinstance(rt.adapter, ReportsBound):  # e.g. SubLoRA's compression bound, on the client's training data
+            metrics.update(
+                rt.adapter.final_report(rt.tokenizer, rt.train, rt.cfg.eval.batch_size, rt.cfg.train.max_seq_len)
+            )
+            log.info("node %s (partition %d) bound: %s", context.node_id, rt.partition_id, _bound_line(metrics))
+        # the client's own copy, where the server's lacks parts
         out = rt.strategy.save(rt, rt.cfg.run_path() / "client-adapters" / f"partition-{rt.partition_id}")
         if out is not None:
             metrics["adapter_dir"] = str(out)

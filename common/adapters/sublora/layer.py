@@ -131,7 +131,7 @@ class Subspace(nn.Module):
     def refresh(self) -> None:
         """Recompute the layers' (A, B) for the next forward: always with gradients on (each backward needs its own
         graph), and without them only when alpha or the gates changed since the last computation."""
-        key = (self.alpha._version, self.gates._version if self.gates is not None else -1, id(self.alpha))
+        key = (self.alpha._version, self.gates._version if self.gates is not None else -1)
         if torch.is_grad_enabled() or self._current is None or key != self._key:
             self._current = self.compute()
             self._key = None if torch.is_grad_enabled() else key
