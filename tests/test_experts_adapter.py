@@ -127,8 +127,9 @@ def test_experts_train_on_a_4bit_base(tiny_llama_dir):
             loss.backward()
             opt.step()
             losses.append(loss.item())
-    # the random tiny Llama's loss is ~ ln(49152); a small but steady fall is what the experts can do on it
-    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.05, losses
+    # the random tiny Llama's loss is ~ ln(49152); a small fall is what the experts can do on it. Not strictly
+    # monotone: with AVX512's packed 4-bit kernel one step in ten went up by 0.02-0.03 at this lr (2026-11-27)
+    assert losses[-1] < losses[0] - 0.1 and max(losses[len(losses) // 2 :]) < losses[1], losses
 
 
 def test_the_adapter_kind_trains_the_routed_slots_keeps_its_routers_and_saves_loadable_experts(
