@@ -126,6 +126,35 @@ def test_the_learned_soft_mask_splits_at_gamma_d():
     assert torch.all(soft_mask(torch.tensor(3.0), 20)[:18] > 0.99)  # gamma = 0.95
 
 
+def test_the_gates_step_at_their_own_rate_when_given_one(tiny_llama_dir):
+    """sublora.gate-learning-rate: the gates get a parameter group of their own (AdamW's step is about the rate,
+    so at 100x alpha's rate they move far more); 0 keeps one group, and only the learned mode has gates."""
+    moved = {}
+    for gate_lr in (0.0, 3.0):
+        cfg = load_run_config(
+            {"strategy": "local", "local.adapter": "sublora", "sublora.intrinsic-dim": 64, "sublora.r": 2,
+             "sublora.allocation": "learned", "sublora.gate-learning-rate": gate_lr, "train.local-steps": 4}
+        )  # fmt: skip
+        adapter = adapter_kind("sublora")(_load(tiny_llama_dir), cfg)
+        adapter.begin(None, _random_alpha(adapter.model, scale=0.1))  # type: ignore[arg-type]
+        adapter.prepare_training(None)
+        groups = adapter.lr_groups()
+        gates = subspace_of(adapter.model).gates
+        assert gates is not None
+        if gate_lr:
+            assert groups is not None and [scale for _, scale in groups] == [1.0, gate_lr / 0.03]
+        else:
+            assert groups is None
+        before = gates.detach().clone()
+        settings = cfg.train_settings()
+        tokenizer = load_tokenizer(str(tiny_llama_dir))
+        train_round(adapter.model, tokenizer, EXAMPLES, settings, settings.learning_rate, seed=0, lr_groups=groups)
+        moved[gate_lr] = float((gates.detach() - before).abs().max())
+    assert moved[3.0] > 10 * moved[0.0] > 0, moved
+    uniform = load_run_config({"strategy": "local", "local.adapter": "sublora", "sublora.gate-learning-rate": 3.0})
+    assert adapter_kind("sublora")(_load(tiny_llama_dir), uniform).lr_groups() is None  # no gates to step
+
+
 def test_learned_gates_and_alpha_receive_gradients_and_training_lowers_the_loss_on_4bit(tiny_llama_dir):
     cfg = load_run_config(
         {"strategy": "local", "local.adapter": "sublora", "sublora.intrinsic-dim": 64, "sublora.r": 2,

@@ -26,6 +26,7 @@ from .model import (
     save_materialised,
     set_arrays,
     sublora_disabled,
+    subspace_of,
     trainable,
 )
 
@@ -66,7 +67,11 @@ class SubLoraAdapter:
         trainable(self.model)
 
     def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
-        return None
+        """learned mode with ``sublora.gate-learning-rate``: the gates step at their own rate."""
+        subspace = subspace_of(self.model)
+        if subspace.gates is None or self.sub.gate_lr_scale == 1.0:
+            return None
+        return [([subspace.alpha], 1.0), ([subspace.gates], self.sub.gate_lr_scale)]
 
     def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
         return get_arrays(self.model), {}

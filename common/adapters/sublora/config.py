@@ -38,6 +38,9 @@ class SubLoraSection(Section):
     # steps, d = 1,000, 16 held-out examples): 0.03 lowered every client's loss (2.60 -> 2.44, 2.60 -> 1.79,
     # 3.45 -> 3.40), 0.01 less (BoolQ 2.60 -> 2.29, XSum 3.45 -> 3.43).
     learning_rate: float = Field(3e-2, gt=0, le=10)
+    # learned mode: the gates' own step (0: alpha's). A gate moves only through its share of alpha's gradient,
+    # squashed by the mask's sigmoid: at alpha's step the Pareto bench's gates stayed within 0.48-0.53 in 12 steps.
+    gate_learning_rate: float = Field(0.0, ge=0, le=100)
     # The bound (computed on each client's training data at the end): alpha quantised to ``quant-levels`` values by
     # k-means, arithmetic-coded; ``bound-delta`` is the bound's failure probability; predictions are smoothed with
     # the uniform distribution by ``bound-smoothing`` so that the log-loss is bounded (log2(V / smoothing) bits).
@@ -57,3 +60,8 @@ class SubLoraSection(Section):
 
     def train_overrides(self) -> dict[str, Any]:
         return {"learning_rate": self.learning_rate}
+
+    @property
+    def gate_lr_scale(self) -> float:
+        """The gates' step as a multiple of alpha's (1.0: the same step)."""
+        return self.gate_learning_rate / self.learning_rate if self.gate_learning_rate else 1.0
