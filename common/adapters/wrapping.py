@@ -4,8 +4,9 @@ layers back."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -25,6 +26,19 @@ class WrappedProjection(nn.Module):
     def bias(self):
         """The base layer's bias, or None."""
         return getattr(self.base_layer, "bias", None)
+
+
+Wrapped = TypeVar("Wrapped", bound="WrappedProjection")
+
+
+def wrapped_layers(
+    model: nn.Module, kind: type[Wrapped], order: Callable[[Wrapped], Any], missing: str, required: bool = True
+) -> list[Wrapped]:
+    """``model``'s ``kind`` layers sorted by ``order``; ValueError(``missing``) if there are none and ``required``."""
+    layers = sorted((m for m in model.modules() if isinstance(m, kind)), key=order)
+    if required and not layers:
+        raise ValueError(missing)
+    return layers
 
 
 def unwrap(model: nn.Module, kind: type[WrappedProjection]) -> None:

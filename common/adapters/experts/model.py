@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..pqlora.model import find_decoder_blocks
-from ..wrapping import paths_disabled, unwrap
+from ..wrapping import paths_disabled, unwrap, wrapped_layers
 from .config import ExpertsSection
 from .layer import ExpertLinear, ExpertRouting
 
@@ -79,10 +79,8 @@ def detach_experts(model: nn.Module) -> nn.Module:
 
 
 def expert_layers(model: nn.Module, required: bool = True) -> list[ExpertLinear]:
-    layers = sorted((m for m in model.modules() if isinstance(m, ExpertLinear)), key=lambda layer: layer.path)
-    if required and not layers:
-        raise ValueError("model has no experts; call attach_experts first")
-    return layers
+    missing = "model has no experts; call attach_experts first"
+    return wrapped_layers(model, ExpertLinear, lambda layer: layer.path, missing, required)
 
 
 def get_expert(model: nn.Module, slot: int) -> Arrays:

@@ -20,7 +20,7 @@ from torch import nn
 from ..lora.config import LoraSection
 from ..lora.model import save_peft_adapter
 from ..pqlora.model import find_decoder_blocks
-from ..wrapping import paths_disabled, unwrap
+from ..wrapping import paths_disabled, unwrap, wrapped_layers
 from .config import SubLoraSection
 from .layer import LayerShape, Subspace, SubspaceLoraLinear
 
@@ -81,10 +81,8 @@ def subspace_of(model: nn.Module) -> Subspace:
 
 
 def sublora_layers(model: nn.Module, required: bool = True) -> list[SubspaceLoraLinear]:
-    layers = sorted((m for m in model.modules() if isinstance(m, SubspaceLoraLinear)), key=lambda layer: layer.index)
-    if required and not layers:
-        raise ValueError("model has no SubLoRA adapter; call attach_sublora first")
-    return layers
+    missing = "model has no SubLoRA adapter; call attach_sublora first"
+    return wrapped_layers(model, SubspaceLoraLinear, lambda layer: layer.index, missing, required)
 
 
 def detach_sublora(model: nn.Module) -> nn.Module:
