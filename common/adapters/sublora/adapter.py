@@ -124,13 +124,12 @@ class SubLoraAdapter:
             set_arrays(self.model, arrays)
         vocab = int(cast(Any, self.model).config.vocab_size)  # the width of the predictions the smoothing mixes with
         result = bound.bounds(bits, quantised, vocab, smoothing, self.sub.bound_delta)
-        unquantised = bound.bounds(bits, full, vocab, smoothing, self.sub.bound_delta)
         return {
             "bound_code_bits": result.code_bits,
             "bound_raw_bits": 32 * (len(indices) + gates),
             "bound_examples": result.examples,
             "bound_train_bits_per_token": result.train_bits_per_token,
-            "bound_train_bits_per_token_unquantised": unquantised.train_bits_per_token,
+            "bound_train_bits_per_token_unquantised": bound.empirical_risk(full)[0],
             "bound_train_top1_error": result.train_top1_error,
             "bound_bits_per_token": result.bits_per_token,
             "bound_top1_error": result.top1_error,

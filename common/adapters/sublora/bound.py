@@ -121,17 +121,21 @@ class Bound:
     max_bits: float  # Delta = log2(V / smoothing)
 
 
+def empirical_risk(per_example: list[tuple[float, int, int]]) -> tuple[float, float, int]:
+    """(bits per token, top-1 error, examples): each example's risk is its mean per answer token, the empirical
+    risk their mean over the examples that have an answer token."""
+    used = [(b / n, e / n) for b, e, n in per_example if n > 0]
+    if not used:
+        raise ValueError("bound: no training example has an answer token")
+    return sum(b for b, _ in used) / len(used), sum(e for _, e in used) / len(used), len(used)
+
+
 def bounds(
     code_bits: int, per_example: list[tuple[float, int, int]], vocab: int, smoothing: float, delta: float
 ) -> Bound:
     """The two bounds from C(h) and per-example (bits summed over tokens, top-1 errors, tokens) on the training
-    data. Each example's risk is its mean per answer token; the empirical risk is their mean over examples."""
-    used = [(b / n, e / n) for b, e, n in per_example if n > 0]
-    m = len(used)
-    if m == 0:
-        raise ValueError("bound: no training example has an answer token")
-    bits_hat = sum(b for b, _ in used) / m
-    error_hat = sum(e for _, e in used) / m
+    data (``empirical_risk``)."""
+    bits_hat, error_hat, m = empirical_risk(per_example)
     max_bits = math.log2(vocab / smoothing)
     complexity = code_bits * math.log(2)
     bits = bits_hat + max_bits * math.sqrt((complexity + math.log(2 / delta)) / (2 * m))
