@@ -19,10 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.pqlora_cuda_check import random_checkpoint, run_checks, step_seconds  # noqa: E402
-from common.adapters import attach_lora  # noqa: E402
+from bench.pqlora_cuda_check import (  # noqa: E402
+    lora_reference,
+    random_batch,
+    random_checkpoint,
+    run_checks,
+    step_seconds,
+)
 from common.adapters.experts import ExpertLinear, ExpertsSection, attach_experts, routed, trainable  # noqa: E402
-from common.adapters.lora import LoraSection  # noqa: E402
 from common.model import load_base_model  # noqa: E402
 
 
@@ -30,9 +34,7 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
     import bitsandbytes as bnb
 
     path = random_checkpoint(kind, shape, work / name)
-    torch.manual_seed(1)
-    ids = torch.randint(0, shape["vocab_size"], (8, 256), device="cuda")
-    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    batch = random_batch(shape)
 
     model = attach_experts(load_base_model(str(path), "nf4", "cuda"), ExpertsSection(k_max=4, r=4, top_m=2), seed=0)
     layers = [m for m in model.modules() if isinstance(m, ExpertLinear)]
@@ -53,8 +55,9 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
     base = load_base_model(str(path), "nf4", "cuda")
     with torch.no_grad():
         base_logits = base(**batch).logits
-    lora = attach_lora(base, LoraSection(r=8), seed=0)
-    lora_losses, lora_step = step_seconds(lora, batch)
+    del base
+    torch.cuda.empty_cache()
+    reference = lora_reference(path, batch)
     return {
         "model": name,
         "gpu": torch.cuda.get_device_name(),
@@ -68,8 +71,7 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
         "last_layer_grad_norm_per_slot": grads,
         "only_routed_slots_have_gradients": grads[1] == 0 and grads[3] == 0 and grads[0] > 0 and grads[2] > 0,
         "experts_step_ms_8x256": 1000 * expert_step,
-        "lora_loss_first_last": [lora_losses[0], lora_losses[-1]],
-        "lora_step_ms_8x256": 1000 * lora_step,
+        **reference,
         "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
     }
 

@@ -79,13 +79,25 @@ def step_seconds(model, batch, steps: int = 10) -> tuple[list[float], float]:
     return losses, (time.perf_counter() - started) / steps
 
 
+def random_batch(shape: dict) -> dict[str, torch.Tensor]:
+    """8 x 256 random tokens of the shape's vocabulary on the GPU (seeded), as their own labels."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, shape["vocab_size"], (8, 256), device="cuda")
+    return {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def lora_reference(path: Path, batch: dict[str, torch.Tensor]) -> dict:
+    """peft LoRA r = 8 on a fresh NF4 load of ``path``: its losses and step time, the row every check compares with."""
+    lora = attach_lora(load_base_model(str(path), "nf4", "cuda"), LoraSection(r=8), seed=0)
+    losses, step = step_seconds(lora, batch)
+    return {"lora_loss_first_last": [losses[0], losses[-1]], "lora_step_ms_8x256": 1000 * step}
+
+
 def check(name: str, kind: str, shape: dict, work: Path) -> dict:
     import bitsandbytes as bnb
 
     path = random_checkpoint(kind, shape, work / name)
-    torch.manual_seed(1)
-    ids = torch.randint(0, shape["vocab_size"], (8, 256), device="cuda")
-    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    batch = random_batch(shape)
 
     model = attach_pqlora(load_base_model(str(path), "nf4", "cuda"), PQLoraConfig(r=8, num_blocks=4, scaling=4.0))
     wrapped = [m for m in model.modules() if type(m).__name__ == "PQLoraLinear"]
@@ -98,8 +110,7 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
     del model
     torch.cuda.empty_cache()
 
-    lora = attach_lora(load_base_model(str(path), "nf4", "cuda"), LoraSection(r=8), seed=0)
-    lora_losses, lora_step = step_seconds(lora, batch)
+    reference = lora_reference(path, batch)
     return {
         "model": name,
         "gpu": torch.cuda.get_device_name(),
@@ -110,8 +121,7 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
         "pq_loss_fell": pq_losses[-1] < pq_losses[0],
         "pq_floats_sent": floats,
         "pq_step_ms_8x256": 1000 * pq_step,
-        "lora_loss_first_last": [lora_losses[0], lora_losses[-1]],
-        "lora_step_ms_8x256": 1000 * lora_step,
+        **reference,
         "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
     }
 

@@ -20,9 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.pqlora_cuda_check import random_checkpoint, run_checks, step_seconds  # noqa: E402
-from common.adapters import attach_lora  # noqa: E402
-from common.adapters.lora import LoraSection  # noqa: E402
+from bench.pqlora_cuda_check import (  # noqa: E402
+    lora_reference,
+    random_batch,
+    random_checkpoint,
+    run_checks,
+    step_seconds,
+)
 from common.adapters.sublora import SubLoraSection, SubspaceLoraLinear, attach_sublora  # noqa: E402
 from common.adapters.sublora.model import save_materialised, subspace_of, trainable  # noqa: E402
 from common.model import load_base_model  # noqa: E402
@@ -37,9 +41,7 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
     from peft import PeftModel
 
     path = random_checkpoint(kind, shape, work / name)
-    torch.manual_seed(1)
-    ids = torch.randint(0, shape["vocab_size"], (8, 256), device="cuda")
-    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    batch = random_batch(shape)
     section = SubLoraSection(intrinsic_dim=1000, allocation="learned")
 
     base = load_base_model(str(path), "nf4", "cuda")
@@ -66,8 +68,7 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
         reloaded = peft_model(**batch).logits
     del peft_model
     torch.cuda.empty_cache()
-    lora = attach_lora(load_base_model(str(path), "nf4", "cuda"), LoraSection(r=8), seed=0)
-    lora_losses, lora_step = step_seconds(lora, batch)
+    reference = lora_reference(path, batch)
     return {
         "model": name,
         "gpu": torch.cuda.get_device_name(),
@@ -80,8 +81,7 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
         "alpha_and_gates_have_gradients": has_gradient(alpha_grad) and has_gradient(gates_grad),
         "exported_peft_max_logit_difference": float((reloaded.float() - trained.float()).abs().max()),
         "sublora_step_ms_8x256": 1000 * sublora_step,
-        "lora_loss_first_last": [lora_losses[0], lora_losses[-1]],
-        "lora_step_ms_8x256": 1000 * lora_step,
+        **reference,
         "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
     }
 
