@@ -10,8 +10,9 @@ commas inside quotes are kept); ``--run-config`` adds overrides for every run. W
 bold; then every strategy's paired worst- and mean-client differences against ``--references`` with bootstrap
 intervals over held-out examples and a verdict, ``bench.stats``) and ``compare.png``; the verdicts are printed
 too. A run whose directory already holds a complete run with the same settings is reused.
-``--merge`` adds the runs of an earlier ``compare.json`` (same preset, budget, run config and strategies; other seeds,
-e.g. from another machine) to the report, which names the machine every seed ran on.
+``--merge`` adds the runs of an earlier ``compare.json`` (same preset, budget and run config; other seeds of the same
+strategies, or other strategies on the same seeds, e.g. from another machine) to the report, which names the machine
+every seed (and strategy) ran on.
 """
 
 from __future__ import annotations
@@ -234,38 +235,61 @@ MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline")
 VERDICT_REPLICATES = 2000  # bootstrap replicates per interval (bench.report.verdict_tables' default)
 
 
-def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Check that the earlier report at ``path`` compared the same thing on other seeds; return what to add.
+def run_machines(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The machine of every strategy and seed of a report, keyed ``"label seed"`` (a merged report keeps its own
+    map; an older one keyed by seed alone, or none, means that machine for every strategy)."""
+    machines = report.get("machines", {})
+    return {
+        f"{s['label']} {seed}": machines.get(f"{s['label']} {seed}", machines.get(str(seed), report["machine"]))
+        for s in report["strategies"]
+        for seed in report["seeds"]
+    }
 
-    Raises SystemExit naming the first difference (a setting, the strategies, or a seed run in both).
+
+def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Check that the earlier report at ``path`` compared the same thing, on other seeds (the same strategies) or
+    with other strategies (the same seeds); return what to add.
+
+    Raises SystemExit naming the first difference (a setting, the strategies or seeds, or a run in both).
     """
     earlier = json.loads(path.read_text())
     for key in MERGE_KEYS:
         if earlier.get(key) != report[key]:
             raise SystemExit(f"--merge {path}: {key} differs ({earlier.get(key)!r} there, {report[key]!r} here)")
-    if earlier["strategies"] != report["strategies"]:
-        raise SystemExit(f"--merge {path}: the strategies differ ({[s['label'] for s in earlier['strategies']]})")
-    both = sorted(set(earlier["seeds"]) & set(report["seeds"]))
-    if both:
-        raise SystemExit(f"--merge {path}: seeds {both} are in --seeds too (run each seed once)")
+    labels = [s["label"] for s in earlier["strategies"]]
+    if sorted(labels) == sorted(s["label"] for s in report["strategies"]):
+        if both := sorted(set(earlier["seeds"]) & set(report["seeds"])):
+            raise SystemExit(f"--merge {path}: seeds {both} are in --seeds too (run each seed once)")
+    elif sorted(earlier["seeds"]) == sorted(report["seeds"]):
+        if both := sorted(set(labels) & {s["label"] for s in report["strategies"]}):
+            raise SystemExit(f"--merge {path}: strategies {both} are in --strategies too (run each once)")
+    else:
+        raise SystemExit(
+            f"--merge {path}: the strategies differ ({labels}) and so do the seeds ({earlier['seeds']}): merge other "
+            "seeds of the same strategies, or other strategies on the same seeds"
+        )
     return {
         "path": str(path),
         "seeds": earlier["seeds"],
-        "machine": earlier["machine"],
+        "strategies": earlier["strategies"],
+        "machines": run_machines(earlier),
         "runs": earlier["runs"],
         "rows": earlier["rows"],
     }
 
 
 def with_merged(report: dict[str, Any], merged: list[dict[str, Any]]) -> dict[str, Any]:
-    """The report with the merged runs and rows added, and the machine of every seed."""
-    seeds = {s: report["machine"] for s in report["seeds"]}
+    """The report with the merged runs, rows and strategies added, and the machine of every strategy and seed."""
+    machines = run_machines(report)
+    strategies = list(report["strategies"])
     for m in merged:
-        seeds.update({s: m["machine"] for s in m["seeds"]})
+        machines.update(m["machines"])
+        strategies += [s for s in m["strategies"] if s not in strategies]
     return {
         **report,
-        "seeds": sorted(seeds),
-        "machines": {str(s): seeds[s] for s in sorted(seeds)},
+        "strategies": strategies,
+        "seeds": sorted({s for m in merged for s in m["seeds"]} | set(report["seeds"])),
+        "machines": machines,
         "merged_from": [m["path"] for m in merged],
         "runs": [r for m in merged for r in m["runs"]] + report["runs"],
         "rows": [r for m in merged for r in m["rows"]] + report["rows"],
@@ -273,14 +297,22 @@ def with_merged(report: dict[str, Any], merged: list[dict[str, Any]]) -> dict[st
 
 
 def machine_line(report: dict[str, Any]) -> str:
-    """Which machine ran which seeds, for the markdown report."""
-    by_machine: dict[str, list[int]] = {}
-    for seed, m in report.get("machines", {str(s): report["machine"] for s in report["seeds"]}).items():
+    """Which machine ran which seeds (and strategies, where a seed's strategies ran on several), for the report."""
+    labels = [s["label"] for s in report["strategies"]]
+    by_machine: dict[str, dict[int, list[str]]] = {}
+    for key, m in run_machines(report).items():
+        label, seed = key.rsplit(" ", 1)
         name = f"{m['cpu']}, {m['cores']} cores, AVX512-BF16 {m['avx512_bf16']}, CUDA {m['cuda']}"
-        by_machine.setdefault(name, []).append(int(seed))
+        by_machine.setdefault(name, {}).setdefault(int(seed), []).append(label)
     if len(by_machine) == 1:
         return f"Machine: {next(iter(by_machine))}."
-    return "Machines: " + "; ".join(f"seeds {seeds} on {name}" for name, seeds in by_machine.items()) + "."
+
+    def what(per_seed: dict[int, list[str]]) -> str:
+        if all(sorted(ran) == sorted(labels) for ran in per_seed.values()):
+            return f"seeds {sorted(per_seed)}"
+        return ", ".join(f"{' '.join(ran)} seed {seed}" for seed, ran in sorted(per_seed.items()))
+
+    return "Machines: " + "; ".join(f"{what(per_seed)} on {name}" for name, per_seed in by_machine.items()) + "."
 
 
 def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]] | None = None) -> str:
@@ -400,7 +432,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="--strategies items every other strategy gets a paired verdict against (those not run are skipped)",
     )
     parser.add_argument(
-        "--merge", action="append", default=[], help="an earlier compare.json whose runs (other seeds) join the report"
+        "--merge",
+        action="append",
+        default=[],
+        help="an earlier compare.json whose runs (other seeds, or other strategies) join the report",
     )
     args = parser.parse_args(argv)
 

@@ -230,11 +230,42 @@ def test_merged_seeds_join_the_summary_and_name_their_machine(tmp_path):
     assert json.loads((tmp_path / "compare.json").read_text())["seeds"] == [0, 1, 2]
 
 
+def test_other_strategies_on_the_same_seeds_join_the_report_and_are_paired(tmp_path):
+    def report(label: str, cpu: str, shift: float, seeds=(0, 1)) -> dict:
+        return {
+            **_report(list(seeds), cpu),
+            "strategies": [{"label": label, "name": label, "overrides": ""}],
+            "runs": [{"strategy": label, "seed": s, "ok": True, "wall_seconds": 1.0} for s in seeds],
+            "rows": [r for s in seeds for r in _example_rows(label, s, [shift, shift])],
+        }
+
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(report("fedavg", "A", 0.3)))
+    here = report("local", "B", 0.0)
+    merged = with_merged(here, [merge_report(here, path)])
+    assert [s["label"] for s in merged["strategies"]] == ["local", "fedavg"] and merged["seeds"] == [0, 1]
+    assert machine_line(merged) == (
+        "Machines: local seed 0, local seed 1 on B, 2 cores, AVX512-BF16 True, CUDA None; fedavg seed 0, fedavg "
+        "seed 1 on A, 2 cores, AVX512-BF16 False, CUDA None."
+    )
+    write_report(tmp_path, here, [merge_report(here, path)])
+    written = json.loads((tmp_path / "compare.json").read_text())
+    verdicts = {(v["a"], v["b"], v["statistic"]): v for v in written["verdicts"]}
+    assert verdicts["fedavg", "local", "mean client"]["estimate"] == pytest.approx(0.3)  # paired seed by seed
+    assert verdicts["fedavg", "local", "mean client"]["verdict"] == "worse"
+    # the merged report takes a third seed of both strategies, and keeps who ran where
+    third = {**report("local", "C", 0.0, seeds=(2,)), "strategies": written["strategies"]}
+    again = with_merged(third, [merge_report(third, tmp_path / "compare.json")])
+    assert again["seeds"] == [0, 1, 2]
+    assert [again["machines"][k]["cpu"] for k in ("fedavg 0", "local 1", "local 2")] == ["A", "B", "C"]
+
+
 @pytest.mark.parametrize(
     "earlier, message",
     [
         (_report([0], "A", common="train.local-steps=4"), "common_config differs"),
         (_report([2], "A"), "seeds [2] are in --seeds too"),
+        ({**_report([2], "A"), "strategies": [{"label": "fedavg"}, {"label": "local"}]}, "strategies ['fedavg'] are"),
         ({**_report([0], "A"), "strategies": []}, "the strategies differ"),
     ],
 )
