@@ -10,9 +10,9 @@ commas inside quotes are kept); ``--run-config`` adds overrides for every run. W
 bold; then every strategy's paired worst- and mean-client differences against ``--references`` with bootstrap
 intervals over held-out examples and a verdict, ``bench.stats``) and ``compare.png``; the verdicts are printed
 too. A run whose directory already holds a complete run with the same settings is reused.
-``--merge`` adds the runs of an earlier ``compare.json`` (same preset, budget and run config; other seeds of the same
-strategies, or other strategies on the same seeds, e.g. from another machine) to the report, which names the machine
-every seed (and strategy) ran on.
+``--merge`` adds the runs of an earlier ``compare.json`` (same preset, budget and run config; other seeds or other
+strategies, e.g. from another machine; pairs are formed on the seeds both strategies ran) to the report, which names
+the machine every seed (and strategy) ran on.
 """
 
 from __future__ import annotations
@@ -236,37 +236,28 @@ VERDICT_REPLICATES = 2000  # bootstrap replicates per interval (bench.report.ver
 
 
 def run_machines(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The machine of every strategy and seed of a report, keyed ``"label seed"`` (a merged report keeps its own
-    map; an older one keyed by seed alone, or none, means that machine for every strategy)."""
+    """The machine of every run of a report, keyed ``"label seed"`` (a merged report keeps its own map; an older
+    one keyed by seed alone, or none, means that machine for every strategy)."""
     machines = report.get("machines", {})
-    return {
-        f"{s['label']} {seed}": machines.get(f"{s['label']} {seed}", machines.get(str(seed), report["machine"]))
-        for s in report["strategies"]
-        for seed in report["seeds"]
-    }
+    keys = {f"{r['strategy']} {r['seed']}": str(r["seed"]) for r in report["runs"]}
+    return {key: machines.get(key, machines.get(seed, report["machine"])) for key, seed in keys.items()}
 
 
 def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Check that the earlier report at ``path`` compared the same thing, on other seeds (the same strategies) or
-    with other strategies (the same seeds); return what to add.
+    """Check that the earlier report at ``path`` compared the same thing (preset, budget, run config), with other
+    seeds or other strategies; return what to add. Strategies paired later are paired on the seeds both ran.
 
-    Raises SystemExit naming the first difference (a setting, the strategies or seeds, or a run in both).
+    Raises SystemExit naming the first difference, or the strategies and seeds that ran in both.
     """
     earlier = json.loads(path.read_text())
     for key in MERGE_KEYS:
         if earlier.get(key) != report[key]:
             raise SystemExit(f"--merge {path}: {key} differs ({earlier.get(key)!r} there, {report[key]!r} here)")
-    labels = [s["label"] for s in earlier["strategies"]]
-    if sorted(labels) == sorted(s["label"] for s in report["strategies"]):
-        if both := sorted(set(earlier["seeds"]) & set(report["seeds"])):
-            raise SystemExit(f"--merge {path}: seeds {both} are in --seeds too (run each seed once)")
-    elif sorted(earlier["seeds"]) == sorted(report["seeds"]):
-        if both := sorted(set(labels) & {s["label"] for s in report["strategies"]}):
-            raise SystemExit(f"--merge {path}: strategies {both} are in --strategies too (run each once)")
-    else:
+    ran = {(r["strategy"], r["seed"]) for r in earlier["runs"]}
+    if both := sorted(ran & {(s["label"], seed) for s in report["strategies"] for seed in report["seeds"]}):
         raise SystemExit(
-            f"--merge {path}: the strategies differ ({labels}) and so do the seeds ({earlier['seeds']}): merge other "
-            "seeds of the same strategies, or other strategies on the same seeds"
+            f"--merge {path}: {', '.join(f'{label} seed {seed}' for label, seed in both)} ran there too "
+            "(run each strategy and seed once)"
         )
     return {
         "path": str(path),
@@ -310,7 +301,10 @@ def machine_line(report: dict[str, Any]) -> str:
     def what(per_seed: dict[int, list[str]]) -> str:
         if all(sorted(ran) == sorted(labels) for ran in per_seed.values()):
             return f"seeds {sorted(per_seed)}"
-        return ", ".join(f"{' '.join(ran)} seed {seed}" for seed, ran in sorted(per_seed.items()))
+        by_strategies: dict[str, list[int]] = {}
+        for seed, ran in sorted(per_seed.items()):
+            by_strategies.setdefault(", ".join(ran), []).append(seed)
+        return "; ".join(f"{ran} seeds {seeds}" for ran, seeds in by_strategies.items())
 
     return "Machines: " + "; ".join(f"{what(per_seed)} on {name}" for name, per_seed in by_machine.items()) + "."
 
