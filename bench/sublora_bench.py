@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.compare import machine
+from bench.compare_merge import machine
 from common.adapters import ReportsBound, adapter_kind
 from common.adapters.sublora.model import subspace_of
 from common.data import client_data

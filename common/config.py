@@ -223,6 +223,9 @@ class EvalSection(Section):
     generate_examples: int = Field(8, ge=1)
     batch_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(16, ge=1, le=1024)
+    # false: no evaluation before round 1. Round 0 evaluates the base model (every adapter starts as the identity),
+    # so it is the same for every strategy on the same clients; ``bench.compare`` measures it once per seed
+    initial: bool = True
 
     def examples_at(self, server_round: int, last_round: int) -> int:
         """How many held-out examples the loss is measured on at ``server_round`` (0 = before training)."""

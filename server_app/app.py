@@ -91,8 +91,9 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     else:
         if run.metrics_path.exists():
             run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
-        evaluated = round_participants(cfg, node_ids, clients, 0)[1]
-        evaluate_round(grid, cfg, strategy, run, 0, evaluated, {}, time.perf_counter())
+        if cfg.eval.initial:
+            evaluated = round_participants(cfg, node_ids, clients, 0)[1]
+            evaluate_round(grid, cfg, strategy, run, 0, evaluated, {}, time.perf_counter())
         _checkpoint(run, 0, strategy, _checkpoint_meta(cfg, node_ids))
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):

@@ -10,21 +10,18 @@ import re
 import numpy as np
 import pytest
 
-from bench.compare import (
+from bench.compare import parse_strategy, split_outside_quotes, write_report
+from bench.compare_merge import machine_line, merge_report, with_merged
+from bench.compare_runs import (
     PYPROJECT,
+    borrows_round_zero,
     complete,
     default_settings,
-    machine_line,
-    merge_report,
-    parse_strategy,
     resolved_settings,
     run_config,
     run_problem,
     same_settings,
     set_aside,
-    split_outside_quotes,
-    with_merged,
-    write_report,
 )
 from bench.presets import PRESETS, preset, toml_value
 from bench.report import (
@@ -142,6 +139,37 @@ def test_a_run_without_every_clients_loss_is_not_comparable(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in broken))
     assert "round 1: 1 of 2 clients" in run_problem(path, rounds=1, clients=2) and "boom" in run_problem(path, 1, 2)
     assert run_problem(tmp_path / "missing.jsonl", 1, 2) == "no metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in good[2:]))  # round 0 borrowed from another run of the seed
+    assert "round 0: 0 of 2" in run_problem(path, 1, 2) and run_problem(path, 1, 2, initial=False) is None
+
+
+@pytest.mark.parametrize(
+    "overrides, borrows",
+    [("", True), ("pqlora.r=4 simgrad.temperature=0.1", True), ("fedavg.adapter='sublora'", True),
+     ("data.max-train-examples=8", False), ("eval.final-examples=16", False), ("model.name='x'", False),
+     ("seed=3", False)],
+)  # fmt: skip
+def test_only_settings_that_cannot_change_the_base_models_evaluation_borrow_round_zero(overrides, borrows):
+    assert borrows_round_zero(overrides) is borrows
+
+
+def test_a_run_that_borrowed_round_zero_is_charged_for_it_and_the_report_says_so(tmp_path):
+    rows = [r for label in ("local", "fedavg") for r in _example_rows(label, 0, [0.0, 0.1])]
+    report = {
+        **_report([0], "A"),
+        "strategies": [{"label": s, "name": s, "overrides": ""} for s in ("local", "fedavg")],
+        "runs": [
+            {"strategy": "local", "seed": 0, "ok": True, "wall_seconds": 100.0},
+            {"strategy": "fedavg", "seed": 0, "ok": True, "wall_seconds": 80.0, "initial_from": "local",
+             "initial_seconds": 15.0},
+        ],
+        "rows": rows,
+    }  # fmt: skip
+    write_report(tmp_path, report)
+    text = (tmp_path / "compare.md").read_text()
+    assert "evaluated once per seed and shared by the other strategies of that seed (seed 0: local)" in text
+    fedavg = next(line for line in text.splitlines() if line.startswith("| fedavg | 1 |"))
+    assert "95 ± 0" in fedavg  # 80 s of its own and the 15 s its lender spent on round 0
 
 
 def test_a_run_is_reused_only_with_the_settings_it_ran_with(tmp_path):
@@ -276,7 +304,7 @@ def test_a_report_that_compared_something_else_is_not_merged(tmp_path, earlier, 
 
 
 def test_a_clustering_strategys_purity_and_silhouette_get_columns_only_when_present(tmp_path):
-    from bench.compare import read_run
+    from bench.compare_runs import read_run
 
     metrics = tmp_path / "metrics.jsonl"
     lines = [

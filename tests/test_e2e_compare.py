@@ -1,5 +1,6 @@
 """End to end: ``python -m bench.compare`` with two strategies (FedAvg and the local-only baseline), one seed and a
-tiny budget on the real 4-bit SmolLM2 through `flwr run . local`; the report has a row per strategy and client."""
+tiny budget on the real 4-bit SmolLM2 through `flwr run . local`; the report has a row per strategy and client, and
+round 0 is evaluated once for both."""
 
 from __future__ import annotations
 
@@ -43,7 +44,15 @@ def test_one_command_compares_two_strategies_on_the_same_clients(tmp_path):
     final = {(r["strategy"], r["client"]): r for r in report["rows"] if r["round"] == 1}
     assert sorted(final) == [(s, c) for s in ("fedavg", "local") for c in range(3)]
     first = {(r["strategy"], r["client"]): r["eval_loss"] for r in report["rows"] if r["round"] == 0}
-    assert first[("fedavg", 0)] == pytest.approx(first[("local", 0)])  # same clients, same start
+    # round 0 (the base model) was evaluated once, by the seed's first run; local-only borrowed it (eval.initial=false)
+    local_run = next(run for run in report["runs"] if run["strategy"] == "local")
+    assert local_run["initial_from"] == "fedavg" and "eval.initial=false" in local_run["run_config"]
+    local_metrics = [
+        json.loads(line) for line in (Path(local_run["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert not [m for m in local_metrics if m["round"] == 0] and sorted(first) == [
+        (s, c) for s in ("fedavg", "local") for c in range(3)
+    ]
     for client in range(3):  # both trained every client; only FedAvg moved adapter bytes
         assert final[("local", client)]["eval_loss"] < first[("local", client)]
         assert final[("local", client)]["bytes_up"] == 0 < final[("fedavg", client)]["bytes_up"]

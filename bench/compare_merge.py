@@ -1,0 +1,110 @@
+"""Joining comparisons (``bench.compare --merge``): an earlier report's runs of other seeds or other strategies, and
+the machine every strategy and seed ran on (timings are only comparable on the same)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline")
+
+
+def machine() -> dict[str, Any]:
+    """What the comparison ran on (timings are only comparable on the same)."""
+    model = platform.processor()
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            info = handle.read()
+        model = re.search(r"model name\s*:\s*(.+)", info).group(1)  # type: ignore[union-attr]
+        flags = re.search(r"flags\s*:\s*(.+)", info).group(1)  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        pass
+    import torch
+
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "avx512_bf16": "avx512_bf16" in flags.split(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def run_machines(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The machine of every run of a report, keyed ``"label seed"`` (a merged report keeps its own map; an older
+    one keyed by seed alone, or none, means that machine for every strategy)."""
+    machines = report.get("machines", {})
+    keys = {f"{r['strategy']} {r['seed']}": str(r["seed"]) for r in report["runs"]}
+    return {key: machines.get(key, machines.get(seed, report["machine"])) for key, seed in keys.items()}
+
+
+def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Check that the earlier report at ``path`` compared the same thing (preset, budget, run config), with other
+    seeds or other strategies; return what to add. Strategies paired later are paired on the seeds both ran.
+
+    Raises SystemExit naming the first difference, or the strategies and seeds that ran in both.
+    """
+    earlier = json.loads(path.read_text())
+    for key in MERGE_KEYS:
+        if earlier.get(key) != report[key]:
+            raise SystemExit(f"--merge {path}: {key} differs ({earlier.get(key)!r} there, {report[key]!r} here)")
+    ran = {(r["strategy"], r["seed"]) for r in earlier["runs"]}
+    if both := sorted(ran & {(s["label"], seed) for s in report["strategies"] for seed in report["seeds"]}):
+        raise SystemExit(
+            f"--merge {path}: {', '.join(f'{label} seed {seed}' for label, seed in both)} ran there too "
+            "(run each strategy and seed once)"
+        )
+    return {
+        "path": str(path),
+        "seeds": earlier["seeds"],
+        "strategies": earlier["strategies"],
+        "machines": run_machines(earlier),
+        "runs": earlier["runs"],
+        "rows": earlier["rows"],
+    }
+
+
+def with_merged(report: dict[str, Any], merged: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report with the merged runs, rows and strategies added, and the machine of every strategy and seed."""
+    machines = run_machines(report)
+    strategies = list(report["strategies"])
+    for m in merged:
+        machines.update(m["machines"])
+        strategies += [s for s in m["strategies"] if s not in strategies]
+    return {
+        **report,
+        "strategies": strategies,
+        "seeds": sorted({s for m in merged for s in m["seeds"]} | set(report["seeds"])),
+        "machines": machines,
+        "merged_from": [m["path"] for m in merged],
+        "runs": [r for m in merged for r in m["runs"]] + report["runs"],
+        "rows": [r for m in merged for r in m["rows"]] + report["rows"],
+    }
+
+
+def machine_line(report: dict[str, Any]) -> str:
+    """Which machine ran which seeds (and strategies, where a seed's strategies ran on several), for the report."""
+    labels = [s["label"] for s in report["strategies"]]
+    by_machine: dict[str, dict[int, list[str]]] = {}
+    for key, m in run_machines(report).items():
+        label, seed = key.rsplit(" ", 1)
+        name = f"{m['cpu']}, {m['cores']} cores, AVX512-BF16 {m['avx512_bf16']}, CUDA {m['cuda']}"
+        by_machine.setdefault(name, {}).setdefault(int(seed), []).append(label)
+    if len(by_machine) == 1:
+        return f"Machine: {next(iter(by_machine))}."
+
+    def what(per_seed: dict[int, list[str]]) -> str:
+        if all(sorted(ran) == sorted(labels) for ran in per_seed.values()):
+            return f"seeds {sorted(per_seed)}"
+        by_strategies: dict[str, list[int]] = {}
+        for seed, ran in sorted(per_seed.items()):
+            by_strategies.setdefault(", ".join(ran), []).append(seed)
+        return "; ".join(f"{ran} seeds {seeds}" for ran, seeds in by_strategies.items())
+
+    return "Machines: " + "; ".join(f"{what(per_seed)} on {name}" for name, per_seed in by_machine.items()) + "."
