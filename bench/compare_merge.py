@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bench.compare_runs import parse_overrides
+
 MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline")
 
 
@@ -44,6 +46,18 @@ def run_machines(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {key: machines.get(key, machines.get(seed, report["machine"])) for key, seed in keys.items()}
 
 
+def same_value(key: str, earlier: Any, here: Any) -> bool:
+    """Whether a merge key agrees; run configs agree whatever the order of their keys."""
+    if earlier == here:
+        return True
+    if key == "common_config" and isinstance(earlier, str):
+        try:
+            return parse_overrides(earlier, "--merge") == parse_overrides(here, "--merge")
+        except SystemExit:  # a key given twice (a preset's and --run-config's) is compared as written
+            return False
+    return False
+
+
 def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
     """Check that the earlier report at ``path`` compared the same thing (preset, budget, run config), with other
     seeds or other strategies; return what to add. Strategies paired later are paired on the seeds both ran.
@@ -52,7 +66,7 @@ def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
     """
     earlier = json.loads(path.read_text())
     for key in MERGE_KEYS:
-        if earlier.get(key) != report[key]:
+        if not same_value(key, earlier.get(key), report[key]):
             raise SystemExit(f"--merge {path}: {key} differs ({earlier.get(key)!r} there, {report[key]!r} here)")
     ran = {(r["strategy"], r["seed"]) for r in earlier["runs"]}
     if both := sorted(ran & {(s["label"], seed) for s in report["strategies"] for seed in report["seeds"]}):

@@ -288,6 +288,13 @@ def test_other_strategies_on_the_same_seeds_join_the_report_and_are_paired(tmp_p
     assert [again["machines"][k]["cpu"] for k in ("fedavg 0", "local 1", "local 2")] == ["A", "B", "C"]
 
 
+def test_a_run_config_written_in_another_key_order_is_the_same_run_config(tmp_path):
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(_report([0], "A", common="train.local-steps=4 eval.max-examples=8")))
+    here = _report([1], "B", common="eval.max-examples=8 train.local-steps=4")
+    assert merge_report(here, path)["seeds"] == [0]
+
+
 @pytest.mark.parametrize(
     "earlier, message",
     [
