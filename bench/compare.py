@@ -28,7 +28,7 @@ from typing import Any
 from bench.compare_merge import machine, machine_line, merge_report, with_merged
 from bench.compare_runs import borrows_round_zero, default_settings, one_run, read_run, run_config
 from bench.presets import PRESETS, preset, toml_value
-from bench.report import markdown_table, per_client_table, summarise, verdict_tables, worst_by_round
+from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise, verdict_tables, worst_by_round
 
 
 def split_outside_quotes(text: str, sep: str = ",") -> list[str]:
@@ -115,6 +115,18 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
         "",
         verdicts,
         "",
+        *(
+            [
+                f"Against `{report['baseline']}`, round by round: A − B of every client's held-out loss, averaged over "
+                "clients and seeds, and how many (client, seed) pairs ended the round above the baseline (the rounds "
+                "between the first and the last read fewer examples: the curves, not verdicts).",
+                "",
+                by_round,
+                "",
+            ]
+            if (by_round := gap_by_round_table(rows, report["baseline"]))
+            else []
+        ),
         "Per client (final held-out loss):",
         "",
         per_client_table(rows),

@@ -264,6 +264,38 @@ def worst_by_round(rows: Sequence[Row], strategy: str) -> dict[int, Spread]:
     }
 
 
+def gap_by_round(rows: Sequence[Row], strategy: str, baseline: str) -> dict[int, tuple[float, int, int]]:
+    """``strategy`` against ``baseline`` at every round after round 0, on the clients and seeds both ran: round ->
+    (mean of A − B over clients and seeds, how many of those were above the baseline, how many there were). It shows
+    WHEN a strategy gains or loses, e.g. a gain made before the first exchange that later rounds give back."""
+    out: dict[int, tuple[float, int, int]] = {}
+    for rnd in sorted({r["round"] for r in rows if r["strategy"] == strategy and r["round"] > 0}):
+        gaps = []
+        for seed in sorted({r["seed"] for r in rows if r["strategy"] == strategy}):
+            mine = client_metric(rows, strategy, seed, rnd, "eval_loss")
+            base = client_metric(rows, baseline, seed, rnd, "eval_loss")
+            gaps += [mine[c] - base[c] for c in mine if c in base]
+        if gaps:
+            out[rnd] = (sum(gaps) / len(gaps), sum(g > 0 for g in gaps), len(gaps))
+    return out
+
+
+def gap_by_round_table(rows: Sequence[Row], baseline: str) -> str:
+    """Markdown: every strategy minus ``baseline``, round by round (``gap_by_round``); empty without a baseline."""
+    names = [s for s in strategies_in(rows) if s != baseline]
+    gaps = {s: gap_by_round(rows, s, baseline) for s in names}
+    rounds = sorted({rnd for g in gaps.values() for rnd in g})
+    if baseline not in strategies_in(rows) or not rounds:
+        return ""
+    lines = [f"| A − {baseline} | " + " | ".join(f"round {rnd}" for rnd in rounds) + " |"]
+    lines.append("|---|" + "---|" * len(rounds))
+    for name in names:
+        cells = [f"{gaps[name][r][0]:+.3f} ({gaps[name][r][1]}/{gaps[name][r][2]} above)" if r in gaps[name] else "–"
+                 for r in rounds]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def example_losses(rows: Sequence[Row], strategy: str) -> dict[int, dict[int, tuple[list[float], list[int]]]]:
     """A strategy's per-example held-out losses and token counts at its final round: seed -> client -> (losses,
     tokens); runs without them (made before they were recorded) are left out."""

@@ -26,6 +26,8 @@ from bench.compare_runs import (
 from bench.presets import PRESETS, preset, toml_value
 from bench.report import (
     best_by_column,
+    gap_by_round,
+    gap_by_round_table,
     hurt,
     markdown_table,
     negative_transfer,
@@ -402,3 +404,18 @@ def test_runs_without_per_example_losses_get_no_verdict():
     rows = rows_of("local", 0, {0: [2.0, 2.0], 2: [1.0, 1.5]}) + rows_of("fedavg", 0, {0: [2.0, 2.0], 2: [1.0, 1.2]})
     text, records = verdict_tables(rows, ["local"])
     assert records == [] and text.startswith("No paired verdicts")
+
+
+def test_the_gap_by_round_shows_when_a_strategy_gains_and_when_it_gives_it_back():
+    rows = []
+    for seed in (0, 1):
+        rows += rows_of("local", seed, {0: [3.0, 2.0], 1: [2.5, 1.5], 2: [2.0, 1.0]})
+        rows += rows_of("early", seed, {0: [3.0, 2.0], 1: [2.3, 1.3], 2: [2.1, 1.1]})  # ahead, then behind
+    assert gap_by_round(rows, "early", "local") == {
+        1: (pytest.approx(-0.2), 0, 4),
+        2: (pytest.approx(0.1), 4, 4),
+    }
+    table = gap_by_round_table(rows, "local")
+    assert table.splitlines()[0] == "| A − local | round 1 | round 2 |"
+    assert table.splitlines()[2] == "| early | -0.200 (0/4 above) | +0.100 (4/4 above) |"
+    assert gap_by_round_table(rows, "fedavg") == ""  # no baseline run: no table
