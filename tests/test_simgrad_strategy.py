@@ -48,7 +48,7 @@ def reference_weights(reps: dict[int, ClientReport], tau: float, mix_self: bool 
     unit = sig / np.linalg.norm(sig, axis=1, keepdims=True)
     s = unit @ unit.T / tau
     e = np.exp(s - s.max(axis=1, keepdims=True))
-    if not mix_self:  # the shipped default: the row is over the other clients
+    if not mix_self:  # the row is over the other clients
         np.fill_diagonal(e, 0.0)
     return e / e.sum(axis=1, keepdims=True)
 
@@ -138,11 +138,12 @@ def test_a_restarted_node_rejoins_mid_run_with_its_partitions_state():
         strategy.initialise(late)
 
 
-def test_a_client_that_sits_out_a_sampled_round_keeps_its_mix_and_weighs_in_no_one():
+@pytest.mark.parametrize("mix_self", [False, True])
+def test_a_client_that_sits_out_a_sampled_round_keeps_its_mix_and_weighs_in_no_one(mix_self):
     """Client sampling: only the sampled clients report and train. Relevance is built from this round's signatures
     alone (no stale signature of the absent client decides a weight), the absent client's personal global P/Q is
     left as it was, and the present clients' mixes are the exact ones over the present clients."""
-    strategy, _, groups = first_round(4, secure=False, temperature=0.5, route_budget=0)
+    strategy, _, groups = first_round(4, secure=False, temperature=0.5, route_budget=0, mix_self=mix_self)
     strategy.update(1, [GroupResult(g.name, local_update(i), 8.0, g.members) for i, g in enumerate(groups)])
     absent_before = {k: v.copy() for k, v in strategy.eval_arrays(103).items()}
     present = {nid: rep for nid, rep in reports(4, seed=1).items() if nid != 103}
@@ -153,7 +154,7 @@ def test_a_client_that_sits_out_a_sampled_round_keeps_its_mix_and_weighs_in_no_o
     strategy.update(2, [GroupResult(g.name, updates[i], 8.0, g.members) for i, g in enumerate(groups)])
     for name, value in absent_before.items():
         np.testing.assert_array_equal(strategy.eval_arrays(103)[name], value)
-    w = reference_weights(present, 0.5, mix_self=False)
+    w = reference_weights(present, 0.5, mix_self=mix_self)
     for i in range(3):
         expected = sum(w[i, j] * updates[j]["block0.q_proj.P"] for j in range(3))
         np.testing.assert_allclose(strategy.eval_arrays(100 + i)["block0.q_proj.P"], expected, rtol=1e-5, atol=1e-6)

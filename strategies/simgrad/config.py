@@ -21,8 +21,10 @@ class SimGradSection(Section):
     temperature: float = Field(0.3, ge=0.01, le=100, allow_inf_nan=False)
     mixing: Literal["relevance", "uniform", "local-only"] = "relevance"  # uniform / local-only: ablations
     # whether a client's own P/Q is in its global mix (w_ii from S_ii = 1, the largest in the row); false: the
-    # softmax runs over the other clients only, and the local path is the client's own part
-    mix_self: bool = False
+    # softmax runs over the other clients only, so a client's own trained P/Q is replaced every round. True since the
+    # few-shot-pairs validation sweep (docs/results/sweep-simgrad-few-shot-pairs): a client whose signature is unlike
+    # everyone's keeps most of its own P/Q, and the XSum clients stopped paying for the sharing
+    mix_self: bool = True
     probe_model: str = Field("smollm2-135m-instruct", min_length=1)  # the small frozen model every client probes
     probe_examples: int = Field(8, ge=1)
     sketch_buckets: int = Field(8, ge=1, le=4096)  # rows of the count-sketched lm_head gradient
@@ -36,8 +38,7 @@ class SimGradSection(Section):
     # The local path of h = W h + (1 - beta) h_L + beta h_G. "pq": the seeds' form (P_L/Q_L train and travel, the
     # received P_G/Q_G is mixed in). "lora": a personal LoRA (``personal.*``, every block) that never travels, beside
     # one PQ path that starts from the received P_G/Q_G, trains and travels (``common.adapters.pqlora.dual``).
-    # Default "lora" with no self term and PQ lr 0.03 (few-shot-pairs validation sweep, docs/comparing.md
-    # "Results"): the seeds' "pq" form ended above local-only on most clients where a client has no task partner.
+    # Default "lora" with PQ lr 0.03 (few-shot-pairs validation sweep, docs/comparing.md "Results"): the seeds' "pq" form ended above local-only on most clients where a client has no task partner.
     local_path: Literal["pq", "lora"] = "lora"
 
     def check(self, cfg: RunConfig) -> None:
