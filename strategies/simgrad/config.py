@@ -38,7 +38,8 @@ class SimGradSection(Section):
     # The local path of h = W h + (1 - beta) h_L + beta h_G. "pq": the seeds' form (P_L/Q_L train and travel, the
     # received P_G/Q_G is mixed in). "lora": a personal LoRA (``personal.*``, every block) that never travels, beside
     # one PQ path that starts from the received P_G/Q_G, trains and travels (``common.adapters.pqlora.dual``).
-    # Default "lora" with PQ lr 0.03 (few-shot-pairs validation sweep, docs/comparing.md "Results"): the seeds' "pq" form ended above local-only on most clients where a client has no task partner.
+    # Default "lora" with PQ lr 0.03 (few-shot-pairs validation sweep, docs/comparing.md "Results"): the seeds' "pq"
+    # form ended above local-only on most clients where a client has no task partner.
     local_path: Literal["pq", "lora"] = "lora"
 
     def check(self, cfg: RunConfig) -> None:
