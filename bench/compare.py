@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare_merge import machine, machine_line, merge_report, with_merged
-from bench.compare_runs import borrows_round_zero, default_settings, one_run, read_run, run_config
+from bench.compare_runs import (
+    borrows_round_zero,
+    default_settings,
+    one_run,
+    read_run,
+    resolved_settings,
+    run_config,
+)
 from bench.presets import PRESETS, preset, toml_value
 from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise, verdict_tables, worst_by_round
 
@@ -241,9 +248,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": [],
         "rows": [],
     }
-    merged = [merge_report(report, Path(path)) for path in args.merge]
-    total = len(strategies) * len(seeds)
     defaults = default_settings()
+    # each label's settings, so that a merge never puts two different strategies (e.g. two defaults) under one label
+    settings = {
+        label: json.loads(
+            json.dumps(resolved_settings(run_config(chosen, rounds, seeds[0], name, extra, args.run_config, out)))
+        )
+        for label, name, extra in strategies
+    }
+    merged = [merge_report(report, Path(path), settings, defaults) for path in args.merge]
+    total = len(strategies) * len(seeds)
     verdicts = ""
     try:
         # seed by seed: a comparison stopped early still has every strategy on the same seeds

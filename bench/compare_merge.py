@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bench.compare_runs import parse_overrides
+from bench.compare_runs import parse_overrides, same_settings
 
 MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline")
 
@@ -58,7 +58,25 @@ def same_value(key: str, earlier: Any, here: Any) -> bool:
     return False
 
 
-def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
+PER_RUN_KEYS = ("seed", "run-dir", "eval.initial")  # settings that differ between runs of one strategy
+
+
+def strategy_settings(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each strategy label's resolved settings, from the first of its runs that records them (older reports do
+    not), without the keys that differ from run to run."""
+    found: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        if run.get("settings") and run["strategy"] not in found:
+            found[run["strategy"]] = {k: v for k, v in run["settings"].items() if k not in PER_RUN_KEYS}
+    return found
+
+
+def merge_report(
+    report: dict[str, Any],
+    path: Path,
+    settings: dict[str, dict[str, Any]] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Check that the earlier report at ``path`` compared the same thing (preset, budget, run config), with other
     seeds or other strategies; return what to add. Strategies paired later are paired on the seeds both ran.
 
@@ -68,6 +86,11 @@ def merge_report(report: dict[str, Any], path: Path) -> dict[str, Any]:
     for key in MERGE_KEYS:
         if not same_value(key, earlier.get(key), report[key]):
             raise SystemExit(f"--merge {path}: {key} differs ({earlier.get(key)!r} there, {report[key]!r} here)")
+    for label, there in strategy_settings(earlier["runs"]).items():  # one label, one strategy (not two defaults)
+        here = {k: v for k, v in (settings or {}).get(label, {}).items() if k not in PER_RUN_KEYS}
+        if here and not same_settings(there, here, defaults or {}):
+            keys = sorted(k for k in set(there) | set(here) if there.get(k) != here.get(k))
+            raise SystemExit(f"--merge {path}: '{label}' ran with other settings there ({', '.join(keys[:5])})")
     ran = {(r["strategy"], r["seed"]) for r in earlier["runs"]}
     if both := sorted(ran & {(s["label"], seed) for s in report["strategies"] for seed in report["seeds"]}):
         raise SystemExit(

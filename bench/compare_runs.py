@@ -183,18 +183,17 @@ def one_run(
     out: Path,
 ) -> dict[str, Any]:
     """Reuse the first of ``configs`` that ``run_dir`` already holds complete, else run the last one; the run's
-    record (config, wall seconds, ok, error, reused)."""
+    record (config, resolved settings, wall seconds, ok, error, reused)."""
     from deploy.local_sim import flwr_run
 
     for config in configs:
         settings = json.loads(json.dumps(resolved_settings(config)))  # as the marker reads back (lists, floats)
         marker = run_dir / "compare-run.json"
         if complete(run_dir, settings, defaults):
-            kept = {k: v for k, v in json.loads(marker.read_text()).items() if k != "settings"}
-            return {"run_dir": str(run_dir), **kept, "reused": True}
+            return {"run_dir": str(run_dir), **json.loads(marker.read_text()), "reused": True}
     if aside := set_aside(run_dir):
         print(f"[compare] {run_dir} ran with other settings: kept as {aside.name}", flush=True)
-    run: dict[str, Any] = {"run_dir": str(run_dir), "run_config": config}
+    run: dict[str, Any] = {"run_dir": str(run_dir), "run_config": config, "settings": settings}
     started = time.perf_counter()
     proc = flwr_run(home, config, num_clients=clients, timeout=args.timeout, client_cpus=args.client_cpus)
     run["wall_seconds"] = time.perf_counter() - started

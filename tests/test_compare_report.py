@@ -290,6 +290,26 @@ def test_other_strategies_on_the_same_seeds_join_the_report_and_are_paired(tmp_p
     assert [again["machines"][k]["cpu"] for k in ("fedavg 0", "local 1", "local 2")] == ["A", "B", "C"]
 
 
+def test_one_label_with_other_settings_there_is_not_merged(tmp_path):
+    """A label is one strategy: a report whose runs recorded other resolved settings under it (e.g. made before a
+    default changed) is refused, naming the key; the same settings, or a report without them, merge."""
+    defaults = default_settings()
+    old_default = resolved_settings("strategy='simgrad' simgrad.mix-self=false seed=0")
+    earlier = _report([0], "A")
+    earlier["runs"] = [{**earlier["runs"][0], "settings": {**old_default, "strategy": "fedavg"}}]
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(earlier))
+    here = _report([1], "B")
+    now = {"fedavg": {**resolved_settings("strategy='simgrad' seed=1"), "strategy": "fedavg"}}
+    with pytest.raises(SystemExit, match=r"'fedavg' ran with other settings there \(simgrad.mix-self\)"):
+        merge_report(here, path, now, defaults)
+    same = {"fedavg": {**old_default, "seed": 1, "strategy": "fedavg"}}  # the seed differs run to run: not a setting
+    assert merge_report(here, path, same, defaults)["seeds"] == [0]
+    earlier["runs"] = [{k: v for k, v in earlier["runs"][0].items() if k != "settings"}]
+    path.write_text(json.dumps(earlier))
+    assert merge_report(here, path, now, defaults)["seeds"] == [0]  # an older report recorded none: not checked
+
+
 def test_a_run_config_written_in_another_key_order_is_the_same_run_config(tmp_path):
     path = tmp_path / "compare.json"
     path.write_text(json.dumps(_report([0], "A", common="train.local-steps=4 eval.max-examples=8")))
