@@ -251,9 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     defaults = default_settings()
     # each label's settings, so that a merge never puts two different strategies (e.g. two defaults) under one label
     settings = {
-        label: json.loads(
-            json.dumps(resolved_settings(run_config(chosen, rounds, seeds[0], name, extra, args.run_config, out)))
-        )
+        label: resolved_settings(run_config(chosen, rounds, seeds[0], name, extra, args.run_config, out))
         for label, name, extra in strategies
     }
     merged = [merge_report(report, Path(path), settings, defaults) for path in args.merge]

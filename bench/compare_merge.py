@@ -61,13 +61,18 @@ def same_value(key: str, earlier: Any, here: Any) -> bool:
 PER_RUN_KEYS = ("seed", "run-dir", "eval.initial")  # settings that differ between runs of one strategy
 
 
+def without_per_run_keys(settings: dict[str, Any]) -> dict[str, Any]:
+    """A strategy's settings without the keys that differ from run to run (``PER_RUN_KEYS``)."""
+    return {k: v for k, v in settings.items() if k not in PER_RUN_KEYS}
+
+
 def strategy_settings(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each strategy label's resolved settings, from the first of its runs that records them (older reports do
     not), without the keys that differ from run to run."""
     found: dict[str, dict[str, Any]] = {}
     for run in runs:
         if run.get("settings") and run["strategy"] not in found:
-            found[run["strategy"]] = {k: v for k, v in run["settings"].items() if k not in PER_RUN_KEYS}
+            found[run["strategy"]] = without_per_run_keys(run["settings"])
     return found
 
 
@@ -87,7 +92,7 @@ def merge_report(
         if not same_value(key, earlier.get(key), report[key]):
             raise SystemExit(f"--merge {path}: {key} differs ({earlier.get(key)!r} there, {report[key]!r} here)")
     for label, there in strategy_settings(earlier["runs"]).items():  # one label, one strategy (not two defaults)
-        here = {k: v for k, v in (settings or {}).get(label, {}).items() if k not in PER_RUN_KEYS}
+        here = without_per_run_keys((settings or {}).get(label, {}))
         if here and not same_settings(there, here, defaults or {}):
             keys = sorted(k for k in set(there) | set(here) if there.get(k) != here.get(k))
             raise SystemExit(f"--merge {path}: '{label}' ran with other settings there ({', '.join(keys[:5])})")

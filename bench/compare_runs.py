@@ -106,6 +106,7 @@ def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any
     ``RunConfig`` and without the sections its strategy does not read (SimGrad's keys do not change a FedAvg run).
 
     Reuse compares these, not the override string: a run made before a default changed is not the same run.
+    Returned as the run's marker reads them back (JSON lists and floats), so that they compare with recorded ones.
     """
     from common.config import pyproject_defaults
     from strategies import load_run_config
@@ -116,7 +117,8 @@ def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any
     unread = set(config_sections()) - {kind.key for kind in strategy_spec(cfg.strategy).sections(cfg)}
     where = {"run-dir", "resume"}  # where the run writes, not what it computes
     where |= {f"data.{key}" for key in cfg.data.unread()}  # what its data source does not read
-    return {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread and k not in where}
+    kept = {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread and k not in where}
+    return json.loads(json.dumps(kept))
 
 
 def default_settings(pyproject: Path = PYPROJECT) -> dict[str, Any]:
@@ -187,7 +189,7 @@ def one_run(
     from deploy.local_sim import flwr_run
 
     for config in configs:
-        settings = json.loads(json.dumps(resolved_settings(config)))  # as the marker reads back (lists, floats)
+        settings = resolved_settings(config)
         marker = run_dir / "compare-run.json"
         if complete(run_dir, settings, defaults):
             return {"run_dir": str(run_dir), **json.loads(marker.read_text()), "reused": True}
