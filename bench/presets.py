@@ -47,17 +47,23 @@ _BUDGET: dict[str, Value] = {
 # presets' run configs keep their key order, which published reports are merged on.)
 _PLENTY: dict[str, Value] = {**_BUDGET, "eval.final-examples": 64}
 
-# The few-shot budget: few TRAINING examples per client (data.max-train-examples), large held-out splits (64 test and
-# 64 validation examples per client: 200 per client, 32 % test, 47 % of the rest validation), the loss measured on all
-# 64 at round 0 and at the end and on 8 in the rounds between (the curves), generation on 8.
+# The few-shot split: with two clients a task, 200 examples a client, 32 % test, 47 % of the rest validation: 64 test
+# and 64 validation examples a client, whatever few it trains on (data.max-train-examples).
+_FEW_SHOT_SPLIT: dict[str, Value] = {
+    "data.max-examples-per-task": 400,
+    "data.test-fraction": 0.32,
+    "data.validation-fraction": 0.47,
+}
+
+# The few-shot budget: few TRAINING examples per client (data.max-train-examples), the few-shot split, the loss
+# measured on all 64 held-out examples at round 0 and at the end and on 8 in the rounds between (the curves),
+# generation on 8.
 _FEW_SHOT: dict[str, Value] = {
     **_BUDGET,
     "train.local-steps": 6,
     "data.partitioning": "by-task",
     "data.tasks": "asdiv,boolq,xsum,commonsenseqa",
-    "data.max-examples-per-task": 400,
-    "data.test-fraction": 0.32,
-    "data.validation-fraction": 0.47,
+    **_FEW_SHOT_SPLIT,
     "data.max-train-examples": 24,
     "eval.final-examples": 64,
     "eval.generate-examples": 8,
@@ -87,9 +93,7 @@ PRESETS: dict[str, Preset] = {
                 **_PLENTY,
                 "data.tasks": "boolq,commonsenseqa",
                 "data.partitioning": "by-task",
-                "data.max-examples-per-task": 400,
-                "data.test-fraction": 0.32,
-                "data.validation-fraction": 0.47,
+                **_FEW_SHOT_SPLIT,
                 "data.max-train-examples": 40,
             },
         ),
