@@ -153,6 +153,7 @@ def get_runtime(context: Context) -> ClientRuntime:
     num_partitions = int(context.node_config.get("num-partitions", 1))
     # A node's own setting wins; else the run's per-partition list; else the run's model.
     model_name = str(context.node_config.get("model", cfg.model_for_partition(partition_id)))
+    cfg = cfg.for_model(model_name)  # this model's own step sizes (model.overrides), where the run gives some
     loaded = load_model(model_name, cfg, context.run_id)
     adapter = loaded.attach(adapter_kind(spec.adapter_for(cfg)), cfg)
     data_key = (cfg.data.model_dump_json(), partition_id, num_partitions, cfg.seed)

@@ -44,6 +44,9 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, alias_generator=lambda s: s.replace("_", "-"))
     key: ClassVar[str] = ""
+    # The keys (kebab-case) that may differ by base model (``model.overrides``): client-side step sizes and the like,
+    # never a shape the federation shares or a value the server reads.
+    per_model: ClassVar[frozenset[str]] = frozenset()
 
     def check(self, cfg: RunConfig) -> None:
         """Checks across sections, run when this section's strategy or adapter is the run's. Raise ValueError
@@ -120,8 +123,24 @@ class ModelSection(Section):
     # NF4 on a CPU with AVX512-BF16: no-grad evaluation/generation through bitsandbytes' packed bf16 kernel (about
     # 2-3x faster there; training is unaffected). false: fp32 everywhere, identical numbers on every CPU.
     cpu_packed_inference: bool = True
+    # Settings per base model in a federation of several: "model:section.key=value, ..." (e.g.
+    # "qwen2.5-coder-0.5b-instruct:pqlora.learning-rate=0.01"): a client that loads that model trains with these
+    # values (``RunConfig.for_model``). A step size tuned on one model need not suit another; only the keys a section
+    # lists in ``per_model`` may differ, and each value is validated with the run.
+    overrides: dict[str, str] = Field(default_factory=dict)
 
     _csv = field_validator("partition_models", mode="before")(split_csv)
+    _pairs = field_validator("overrides", mode="before")(split_pairs)
+
+    @field_validator("overrides")
+    @classmethod
+    def _targets_named(cls, value: dict[str, str]) -> dict[str, str]:
+        from common.assets import check_model_name
+        from common.per_model import split_target
+
+        for target in value:
+            check_model_name(split_target(target)[0])
+        return value
 
     @field_validator("name")
     @classmethod
@@ -197,6 +216,11 @@ class DataSection(Section):
 
 class TrainSection(Section):
     """Local training on each client, per round."""
+
+    # local-steps and batch-size stay one value: the server caps a member's weight at their product
+    per_model: ClassVar[frozenset[str]] = frozenset(
+        {"learning-rate", "min-lr-ratio", "weight-decay", "max-grad-norm", "micro-batch-size"}
+    )
 
     local_steps: int = Field(4, ge=1)
     batch_size: int = Field(2, ge=1)
@@ -358,6 +382,13 @@ class RunConfig(Section):
     def run_path(self) -> Path:
         return resolve_run_dir(self.run_dir)
 
+    def for_model(self, name: str) -> RunConfig:
+        """This config as a client that loads base model ``name`` reads it: ``model.overrides`` for ``name`` applied
+        (``common.per_model``). The server reads the run's values."""
+        from common.per_model import apply_model_overrides
+
+        return apply_model_overrides(self, name)
+
     def model_for_partition(self, partition_id: int) -> str:
         """The base model of a partition when its node sets none: ``model.partition-models`` cycled, else
         ``model.name``."""
@@ -410,6 +441,11 @@ class RunConfig(Section):
             cfg._plan = plan(cfg)
             for kind in cfg._plan.checked:
                 cfg.section(kind).check(cfg)
+        except ValueError as err:
+            raise ConfigError(_describe([{"msg": str(err), "loc": (), "type": "value_error"}])) from None
+        try:  # every model's values checked before round 1, not on its first client
+            for target in cfg.model.overrides:
+                cfg.for_model(target.rpartition(":")[0])
         except ValueError as err:
             raise ConfigError(_describe([{"msg": str(err), "loc": (), "type": "value_error"}])) from None
         return cfg

@@ -17,4 +17,5 @@ class PersonalSection(LoraSection):
     """
 
     key: ClassVar[str] = "personal"
+    per_model: ClassVar[frozenset[str]] = frozenset({"learning-rate"})
     learning_rate: float = Field(0.0, ge=0, le=1)

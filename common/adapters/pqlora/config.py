@@ -19,6 +19,7 @@ class PQLoraSection(Section):
     """The PQ-LoRA adapter (FedMosaic): frozen orthogonal A/B, trainable r x r P and r-vector Q, per-block gates."""
 
     key: ClassVar[str] = "pqlora"
+    per_model: ClassVar[frozenset[str]] = frozenset({"learning-rate", "gate-init", "gate-learning-rate"})
     r: int = Field(8, ge=1, le=128)
     # Adapt the last ``blocks`` transformer blocks. 24: every block of Qwen2.5-0.5B, 24 of SmolLM2-135M's 30, so
     # clients of both models share the same block indices. Chosen by the validation sweep of issue 13

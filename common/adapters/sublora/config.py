@@ -24,6 +24,7 @@ class SubLoraSection(Section):
     """
 
     key: ClassVar[str] = "sublora"
+    per_model: ClassVar[frozenset[str]] = frozenset({"learning-rate", "gate-learning-rate"})
     intrinsic_dim: int = Field(1000, ge=2, le=1_000_000)  # d: the numbers a client trains and sends
     r: int = Field(8, ge=1, le=256)
     lora_alpha: float = Field(16.0, gt=0, allow_inf_nan=False)  # LoRA scale lora-alpha / r, as peft's
