@@ -292,6 +292,8 @@ def reference() -> list[SectionDoc]:
             meaning = (
                 comment or docstring_mention(cls, name, alias) or source_comment(cls, name).replace("``", "`") or "–"
             )
+            if alias in getattr(cls, "per_model", ()):
+                meaning += " (may differ by base model: `model.overrides`)"
             keys.append(Key(key, f"{kind}, {bounds}" if bounds else kind, default_cell, meaning))
         title = "Top-level keys" if not prefix else f"`{prefix}.*`"
         docs.append(SectionDoc(title, docstring_summary(cls), keys))
