@@ -357,6 +357,10 @@ class RunConfig(Section):
         value = self._sections.get(kind.key)
         return value if isinstance(value, kind) else kind()
 
+    def section_named(self, key: str) -> Section | None:
+        """The run's section ``key`` (``"pqlora"``), validated with the run whether or not its strategy reads it."""
+        return self._sections.get(key)
+
     def with_section(self, section: Section) -> RunConfig:
         """A copy of this config with one section replaced (e.g. one client's own LoRA ranks)."""
         copy = self.model_copy()

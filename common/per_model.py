@@ -60,16 +60,16 @@ def apply_model_overrides(cfg: RunConfig, name: str) -> RunConfig:
     overrides = overrides_of(cfg, name)
     if not overrides:
         return cfg
-    sections = {kind.key: kind for kind in cfg._planned().checked}
     result = cfg
     for head, values in overrides.items():
         if head == "train":
             result = result.model_copy(update={"train": _overridden(cfg.train, head, values, name)})
             continue
-        kind = sections.get(head)
-        if kind is None:
-            raise ValueError(f"model.overrides: {name}: '{head}' is not a section this run's strategy reads")
-        result = result.with_section(_overridden(cfg.section(kind), head, values, name))
+        # like any key, an override of a section this run's strategy does not read is validated and then unused
+        current = cfg.section_named(head)
+        if current is None:
+            raise ValueError(f"model.overrides: {name}: '{head}' is not a section with per-model keys")
+        result = result.with_section(_overridden(current, head, values, name))
     try:
         for kind in result._planned().checked:
             result.section(kind).check(result)

@@ -29,6 +29,9 @@ def test_a_model_reads_its_own_values_and_the_others_the_runs():
     assert cfg.for_model("org/another-model") is cfg
     # the flat form round-trips (what the ServerApp logs and bench.compare records)
     assert load_run_config(cfg.to_flat()).model.overrides == cfg.model.overrides
+    # as with any key, a section the strategy does not read is validated, then unused (a FedAvg run of the same file)
+    fedavg = load_run_config({**cfg.to_flat(), "strategy": "fedavg"})
+    assert fedavg.for_model(QWEN).train_settings().learning_rate == fedavg.train.learning_rate
 
 
 @pytest.mark.parametrize(
@@ -37,7 +40,8 @@ def test_a_model_reads_its_own_values_and_the_others_the_runs():
         (f"{QWEN}:pqlora.r=4", "pqlora.r cannot differ by base model"),
         (f"{QWEN}:train.local-steps=2", "train.local-steps cannot differ by base model"),
         (f"{QWEN}:pqlora.learning-rate=5", "pqlora.learning-rate: Input should be less than or equal to 1"),
-        (f"{QWEN}:atlas.k=2", "'atlas' is not a section this run's strategy reads"),
+        (f"{QWEN}:atlas.k=2", "atlas.k cannot differ by base model"),
+        (f"{QWEN}:model.name=x", "'model' is not a section with per-model keys"),
         ("qwen-coder:pqlora.learning-rate=0.01", "'qwen-coder' is not a built-in model"),
         ("pqlora.learning-rate=0.01", "expected 'model:section.key=value' pairs"),
     ],
