@@ -14,13 +14,32 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
+from common.config import Section
+
 if TYPE_CHECKING:
     from torch import nn
 
-    from common.config import RunConfig, Section
+    from common.config import RunConfig
     from common.data import Example
 
 Arrays = dict[str, np.ndarray]
+
+
+class OwnStepSection(Section):
+    """An adapter section whose few trainable numbers take their own step (``learning-rate``, used instead of
+    ``train.learning-rate``) and whose gates may take another (``gate-learning-rate``, 0: the same). Each kind
+    declares the two fields with its own bounds; both may differ by base model (``model.overrides``)."""
+
+    learning_rate: float
+    gate_learning_rate: float
+
+    def train_overrides(self) -> dict[str, Any]:
+        return {"learning_rate": self.learning_rate}
+
+    @property
+    def gate_lr_scale(self) -> float:
+        """The gates' step as a multiple of the adapter's own (1.0 when ``gate-learning-rate`` is 0)."""
+        return self.gate_learning_rate / self.learning_rate if self.gate_learning_rate else 1.0
 
 
 class UndeclaredStateError(KeyError):

@@ -12,10 +12,12 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from common.config import Section, split_csv
+from common.config import split_csv
+
+from ..base import OwnStepSection
 
 
-class PQLoraSection(Section):
+class PQLoraSection(OwnStepSection):
     """The PQ-LoRA adapter (FedMosaic): frozen orthogonal A/B, trainable r x r P and r-vector Q, per-block gates."""
 
     key: ClassVar[str] = "pqlora"
@@ -39,14 +41,6 @@ class PQLoraSection(Section):
     gate_learning_rate: float = Field(0.0, ge=0, le=10)
 
     _csv = field_validator("target_modules", mode="before")(split_csv)
-
-    def train_overrides(self) -> dict[str, Any]:
-        return {"learning_rate": self.learning_rate}
-
-    @property
-    def gate_lr_scale(self) -> float:
-        """The gates' learning rate as a multiple of the P/Q one (1.0 when ``gate-learning-rate`` is 0)."""
-        return self.gate_learning_rate / self.learning_rate if self.gate_learning_rate else 1.0
 
     def adapter_config(self, seed: int, trains_global: bool = False) -> PQLoraConfig:
         """What is attached to a model: these settings with the run's seed (shared A/B across the federation)."""

@@ -8,14 +8,16 @@ theta = theta_0 + P alpha, and how its generalisation bound is computed.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from common.config import Section, split_csv
+from common.config import split_csv
+
+from ..base import OwnStepSection
 
 
-class SubLoraSection(Section):
+class SubLoraSection(OwnStepSection):
     """SubLoRA: LoRA (rank ``r`` on ``target-modules``) trained only through ``intrinsic-dim`` numbers alpha.
 
     allocation: ``uniform`` (one projection for A and B), ``fixed`` (``allocation-ratio`` = d_B / d, separate
@@ -58,11 +60,3 @@ class SubLoraSection(Section):
     @property
     def scaling(self) -> float:
         return self.lora_alpha / self.r
-
-    def train_overrides(self) -> dict[str, Any]:
-        return {"learning_rate": self.learning_rate}
-
-    @property
-    def gate_lr_scale(self) -> float:
-        """The gates' step as a multiple of alpha's (1.0: the same step)."""
-        return self.gate_learning_rate / self.learning_rate if self.gate_learning_rate else 1.0
