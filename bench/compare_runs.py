@@ -169,9 +169,12 @@ def set_aside(run_dir: Path) -> Path | None:
 def borrows_round_zero(overrides: str) -> bool:
     """Whether a strategy with these overrides may take round 0's evaluation from another run of its seed: round 0
     evaluates the base model (every adapter starts as the identity), so only the data, evaluation, model and seed
-    settings change it."""
+    settings change it (not ``model.overrides``: the keys it may set, step sizes and a gate's start, leave every
+    adapter at the identity)."""
     keys = parse_overrides(overrides, "--strategies")
-    return not any(k == "seed" or k.split(".")[0] in ("data", "eval", "model") for k in keys)
+    return not any(
+        k == "seed" or (k.split(".")[0] in ("data", "eval", "model") and k != "model.overrides") for k in keys
+    )
 
 
 def one_run(

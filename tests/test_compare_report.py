@@ -149,7 +149,7 @@ def test_a_run_without_every_clients_loss_is_not_comparable(tmp_path):
     "overrides, borrows",
     [("", True), ("pqlora.r=4 simgrad.temperature=0.1", True), ("fedavg.adapter='sublora'", True),
      ("data.max-train-examples=8", False), ("eval.final-examples=16", False), ("model.name='x'", False),
-     ("seed=3", False)],
+     ("seed=3", False), ("model.overrides='qwen2.5-coder-0.5b-instruct:pqlora.gate-init=2.0'", True)],
 )  # fmt: skip
 def test_only_settings_that_cannot_change_the_base_models_evaluation_borrow_round_zero(overrides, borrows):
     assert borrows_round_zero(overrides) is borrows
