@@ -357,10 +357,6 @@ class RunConfig(Section):
         value = self._sections.get(kind.key)
         return value if isinstance(value, kind) else kind()
 
-    def section_named(self, key: str) -> Section | None:
-        """The run's section ``key`` (``"pqlora"``), validated with the run whether or not its strategy reads it."""
-        return self._sections.get(key)
-
     def with_section(self, section: Section) -> RunConfig:
         """A copy of this config with one section replaced (e.g. one client's own LoRA ranks)."""
         copy = self.model_copy()
@@ -387,11 +383,26 @@ class RunConfig(Section):
         return resolve_run_dir(self.run_dir)
 
     def for_model(self, name: str) -> RunConfig:
-        """This config as a client that loads base model ``name`` reads it: ``model.overrides`` for ``name`` applied
-        (``common.per_model``). The server reads the run's values."""
-        from common.per_model import apply_model_overrides
+        """This config as a client that loads base model ``name`` reads it: ``model.overrides`` for ``name`` applied,
+        each section validated with its new values and the run's cross-section checks rerun (``common.per_model``).
+        The server reads the run's values."""
+        from common.per_model import overridden, overrides_of
 
-        return apply_model_overrides(self, name)
+        result = self
+        for head, values in overrides_of(self.model.overrides, name).items():
+            if head == "train":
+                result = result.model_copy(update={"train": overridden(self.train, head, values, name)})
+            elif head in self._sections:  # validated with the run, read or not by its strategy (as its own keys)
+                result = result.with_section(overridden(self._sections[head], head, values, name))
+            else:
+                raise ValueError(f"model.overrides: {name}: '{head}' is not a section with per-model keys")
+        if result is not self:
+            try:
+                for kind in result._planned().checked:
+                    result.section(kind).check(result)
+            except ValueError as err:
+                raise ValueError(f"model.overrides: {name}: {err}") from None
+        return result
 
     def model_for_partition(self, partition_id: int) -> str:
         """The base model of a partition when its node sets none: ``model.partition-models`` cycled, else
