@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.compare_merge import machine, machine_line, merge_report, with_merged
+from bench.compare_merge import machine, machine_line, merge_report, round_zero_rows, with_merged
 from bench.compare_runs import (
     borrows_round_zero,
     default_settings,
@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     verdicts = ""
     try:
         # seed by seed: a comparison stopped early still has every strategy on the same seeds
-        lenders: dict[int, list[dict[str, Any]]] = {}  # seed -> round 0's rows, measured by its first run
+        # seed -> round 0's rows: a merged report's, else measured by the seed's first run here
+        lenders: dict[int, list[dict[str, Any]]] = round_zero_rows(merged)
         for i, (seed, (label, name, extra)) in enumerate(((seed, s) for seed in seeds for s in strategies), 1):
             run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label) / f"seed-{seed}"
             configs = [run_config(chosen, rounds, seed, name, extra, args.run_config, run_dir)]

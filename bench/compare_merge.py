@@ -112,6 +112,18 @@ def merge_report(
     }
 
 
+def round_zero_rows(merged: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Round 0's rows of every seed in the merged reports, from the first strategy that has them: round 0 evaluates
+    the base model (every adapter starts as the identity), the same for every strategy on a seed's clients, so a new
+    run of that seed may borrow it (``borrows_round_zero``) instead of measuring it again."""
+    found: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    for m in merged:
+        for row in m["rows"]:
+            if row["round"] == 0:
+                found.setdefault(row["seed"], {}).setdefault(row["strategy"], []).append(row)
+    return {seed: next(iter(by_strategy.values())) for seed, by_strategy in found.items()}
+
+
 def with_merged(report: dict[str, Any], merged: list[dict[str, Any]]) -> dict[str, Any]:
     """The report with the merged runs, rows and strategies added, and the machine of every strategy and seed."""
     machines = run_machines(report)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from bench.compare import parse_strategy, split_outside_quotes, write_report
-from bench.compare_merge import machine_line, merge_report, with_merged
+from bench.compare_merge import machine_line, merge_report, round_zero_rows, with_merged
 from bench.compare_runs import (
     PYPROJECT,
     borrows_round_zero,
@@ -439,3 +439,15 @@ def test_the_gap_by_round_shows_when_a_strategy_gains_and_when_it_gives_it_back(
     assert table.splitlines()[0] == "| A − local | round 1 | round 2 |"
     assert table.splitlines()[2] == "| early | -0.200 (0/4 above) | +0.100 (4/4 above) |"
     assert gap_by_round_table(rows, "fedavg") == ""  # no baseline run: no table
+
+
+def test_a_new_run_borrows_round_zero_from_a_merged_report_of_its_seed():
+    merged = [
+        {"rows": [{"strategy": "local", "seed": 0, "round": r, "client": c} for r in (0, 1) for c in (0, 1)]},
+        {"rows": [{"strategy": s, "seed": 1, "round": 0, "client": 0} for s in ("fedavg", "atlas")]},
+    ]
+    lenders = round_zero_rows(merged)
+    assert sorted(lenders) == [0, 1]
+    assert [(r["strategy"], r["client"]) for r in lenders[0]] == [("local", 0), ("local", 1)]  # round 0 only
+    assert [r["strategy"] for r in lenders[1]] == ["fedavg"]  # one strategy's rows, not every strategy's
+    assert round_zero_rows([]) == {}
