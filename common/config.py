@@ -458,9 +458,11 @@ class RunConfig(Section):
                 cfg.section(kind).check(cfg)
         except ValueError as err:
             raise ConfigError(_describe([{"msg": str(err), "loc": (), "type": "value_error"}])) from None
-        try:  # every model's values checked before round 1, not on its first client
-            for target in cfg.model.overrides:
-                cfg.for_model(target.rpartition(":")[0])
+        from common.per_model import split_target
+
+        try:  # every named model's values checked once, before round 1, not on its first client
+            for name in dict.fromkeys(split_target(target)[0] for target in cfg.model.overrides):
+                cfg.for_model(name)
         except ValueError as err:
             raise ConfigError(_describe([{"msg": str(err), "loc": (), "type": "value_error"}])) from None
         return cfg
