@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
+from .core_sections import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
 from .logs import get_logger
 
 log = get_logger("tessera.data")

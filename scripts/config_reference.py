@@ -197,7 +197,7 @@ def bounds_text(field: Any) -> str:
 
 def value_text(value: Any) -> str:
     """A value as it is written in a run config (lists and mappings joined by commas)."""
-    from common.config import join_value
+    from common.section import join_value
 
     value = join_value(value)
     if isinstance(value, bool):
@@ -208,7 +208,7 @@ def value_text(value: Any) -> str:
 
 
 def _same(default: Any, configured: Any) -> bool:
-    from common.config import join_value
+    from common.section import join_value
 
     default = join_value(default)
     if isinstance(default, bool) or isinstance(configured, bool):

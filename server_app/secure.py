@@ -24,7 +24,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
-from common.config import MODULUS_RANGE, SecAggSection
+from common.core_sections import MODULUS_RANGE, SecAggSection
 from common.records import ReplyError, check_arrays, pack, unpack
 from common.reply_checks import ReplyLimits, check_metrics, check_weight, masked_weight_problem
 from common.secure_bounds import (

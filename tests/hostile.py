@@ -17,7 +17,7 @@ import numpy as np
 from flwr.app import Context, Message
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
-from common.config import MODULUS_RANGE, SecAggSection
+from common.core_sections import MODULUS_RANGE, SecAggSection
 
 ATTACKS = ("shift", "nudge", "long", "scalar", "short", "dropout")
 

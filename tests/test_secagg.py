@@ -170,7 +170,7 @@ def test_a_member_reporting_another_weight_than_it_masked_costs_the_group_its_ag
 def test_the_weight_check_accepts_what_flowers_real_members_masked(honest_round):
     """The total weight Flower's own members masked in a real SecAgg+ round (taken where the workflow unmasks it,
     not recomputed with the check's formula) passes the check for their reported weights; one unit off does not."""
-    from common.config import MODULUS_RANGE
+    from common.core_sections import MODULUS_RANGE
     from common.reply_checks import masked_weight_problem
 
     (masked,) = honest_round["unmasked_weights"]
@@ -183,7 +183,7 @@ def test_the_weight_check_accepts_what_flowers_real_members_masked(honest_round)
 
 
 def test_the_weight_check_catches_a_wrapped_weight():
-    from common.config import MODULUS_RANGE
+    from common.core_sections import MODULUS_RANGE
     from common.reply_checks import masked_weight_problem
 
     q = SecAggSection().quantization_range

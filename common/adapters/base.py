@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from common.config import Section
+from common.section import Section
 
 if TYPE_CHECKING:
     from torch import nn

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from common.config import Section, split_csv
+from common.section import Section, split_csv
 
 from ..fingerprint.laplacian import alpha_for, parse_alpha
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from common.config import Section
+from common.section import Section
 
 
 class FedAvgSection(Section):

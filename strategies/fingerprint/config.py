@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from common.config import Section
+from common.section import Section
 
 
 class FingerprintSection(Section):

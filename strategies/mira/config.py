@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from common.config import Section
+from common.section import Section
 
 from ..fingerprint.laplacian import alpha_for, parse_alpha
 

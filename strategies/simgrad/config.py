@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field
 
 from common.adapters.pqlora import PQLoraSection
-from common.config import Section
+from common.section import Section
 
 if TYPE_CHECKING:
     from common.config import RunConfig

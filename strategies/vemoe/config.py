@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import Field
 
 from common.adapters.experts import ExpertsSection
-from common.config import Section
+from common.section import Section
 
 if TYPE_CHECKING:
     from common.config import RunConfig

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from common.config import Section, split_csv
+from common.section import Section, split_csv
 
 
 class ExpertsSection(Section):

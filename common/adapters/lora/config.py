@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator
 
-from common.config import Section, split_csv, split_pairs
+from common.section import Section, split_csv, split_pairs
 
 
 class LoraSection(Section):

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from common.config import split_csv
+from common.section import split_csv
 
 from ..base import OwnStepSection
 

