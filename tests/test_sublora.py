@@ -55,9 +55,18 @@ def _random_alpha(model, seed=0, scale=0.5) -> dict[str, np.ndarray]:
 # --- the projection ---------------------------------------------------------------------------------------------
 
 
-def test_hadamard_is_orthonormal():
-    h = hadamard(torch.eye(16, dtype=torch.float64))
-    assert torch.allclose(h @ h.T, torch.eye(16, dtype=torch.float64), atol=1e-12)
+@pytest.mark.parametrize("n", [1, 2, 8, 16, 128])
+def test_hadamard_is_the_orthonormal_walsh_hadamard_matrix(n):
+    # Walsh-Hadamard by its definition, H[i, j] = (-1)^popcount(i & j) / sqrt(n), independent of the factorisation
+    index = torch.arange(n)
+    parity = torch.tensor([[bin(i & j).count("1") % 2 for j in index.tolist()] for i in index.tolist()])
+    expected = (1 - 2 * parity).double() / n**0.5
+    batch = torch.randn(3, 2, n, dtype=torch.float64)
+    assert torch.allclose(hadamard(torch.eye(n, dtype=torch.float64)), expected, atol=1e-12)
+    assert torch.allclose(hadamard(batch), batch @ expected, atol=1e-12)  # over the last axis of any batch
+
+
+def test_hadamard_refuses_a_length_that_is_not_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         hadamard(torch.ones(12))
 

@@ -16,6 +16,7 @@ about 1), so a step on alpha moves theta by about as much whichever kind is used
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -30,18 +31,30 @@ def generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(zlib.crc32(f"sublora|{seed}|{name}".encode()))
 
 
+@functools.lru_cache(maxsize=64)
+def sylvester(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The n x n Sylvester-Hadamard matrix (entries +-1, symmetric): the Kronecker power of [[1, 1], [1, -1]]."""
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    base = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=dtype, device=device)
+    while h.shape[0] < n:
+        h = torch.kron(base, h)
+    return h
+
+
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """The orthonormal Walsh-Hadamard transform over the last axis (a power of two), O(n log n), differentiable."""
+    """The orthonormal Walsh-Hadamard transform over the last axis (a power of two), differentiable.
+
+    H_n = H_a (x) H_b for n = a b (Sylvester matrices are Kronecker powers), and (H_a (x) H_b) vec(X) = vec(H_a X H_b)
+    for X the row-major a x b view of x: two small matrix products, O(n sqrt n), instead of log2 n rounds of
+    add/subtract: a handful of kernels whatever n is (the butterfly's many tiny ops were part of why a SubLoRA step
+    took twice as long as LoRA's on an H200; ``bench/sublora_subspace_bench.py`` times it).
+    """
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"hadamard: length {n} is not a power of two")
-    lead = x.shape[:-1]
-    h = 1
-    while h < n:
-        pairs = x.reshape(*lead, n // (2 * h), 2, h)
-        x = torch.stack((pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]), dim=-2)
-        h *= 2
-    return x.reshape(*lead, n) / math.sqrt(n)
+    a = 1 << ((n.bit_length() - 1) // 2)
+    h_a, h_b = sylvester(a, x.dtype, x.device), sylvester(n // a, x.dtype, x.device)
+    return (h_a @ x.reshape(*x.shape[:-1], a, n // a) @ h_b).reshape(x.shape) / math.sqrt(n)
 
 
 class Projection(nn.Module):
