@@ -94,8 +94,7 @@ class Subspace(nn.Module):
         self.hook: RemovableHandle | None = None  # the model's forward pre-hook that calls ``refresh``
 
     def _group_size(self, part: str, members: list[int]) -> int:
-        layers = [self.layers[i] for i in members]
-        return sum(layer.r * (layer.d_in if p == "A" else layer.d_out) for layer in layers for p in part)
+        return sum(math.prod(self._shape(i, p)) for i in members for p in part)
 
     def _group_name(self, g: int) -> str:
         start, stop, position, part, _ = self.groups[g]
@@ -125,7 +124,7 @@ class Subspace(nn.Module):
             targets = [(i, p) for i in members for p in part]
             shapes = [self._shape(i, p) for i, p in targets]
             # one split, not a slice per layer: a slice's backward writes a zero tensor of the whole group's size
-            # per layer (quadratic; it was 80 % of a CPU step), split's backward is a single concatenation
+            # per layer (quadratic; it was 80 % of the subspace's CPU time), split's backward is a single concatenation
             for target, shape, piece in zip(targets, shapes, flat.split([r * c for r, c in shapes])):
                 deltas[target] = piece.reshape(shape)
         return [(self.a0(i) + deltas[(i, "A")], deltas[(i, "B")]) for i in range(len(self.layers))]
