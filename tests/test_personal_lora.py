@@ -1,4 +1,5 @@
-"""The personal LoRA of the dual-path kinds (``fedavg-dual``'s ``lora-dual``, SimGrad's ``pqlora-dual``): it trains
+"""The personal LoRA of the dual-path kinds (``fedavg-dual``'s ``lora-dual``, SimGrad's ``pqlora-dual``, VEMoE's
+``experts-dual``): it trains
 beside the travelling adapter at its own learning rate, is never part of what is sent, lives in the client's node
 state (one process, several clients: no leaks), exports as a PEFT directory; the config picks the kind."""
 
@@ -22,7 +23,15 @@ EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(
 CONFIGS = {
     "fedavg-dual": {"strategy": "fedavg-dual", "lora.r": 2, "personal.r": 4},
     "simgrad-lora": {"strategy": "simgrad", "simgrad.local-path": "lora", "pqlora.r": 2, "pqlora.blocks": 2},
+    "vemoe-personal": {"strategy": "vemoe", "vemoe.personal-lora": True, "experts.k-max": 3, "experts.r": 2},
 }
+
+
+def begin(adapter, state: ClientState, received) -> None:
+    """Begin a message; VEMoE's experts train only on the tokens routed to them: route to two, as its client does."""
+    adapter.begin(state, received)
+    if hasattr(adapter, "route"):
+        adapter.route([0, 2], [0.5, 0.5])
 
 
 def node_state(node_id: int, keys: tuple[str, ...]) -> ClientState:
@@ -49,7 +58,7 @@ def test_the_personal_lora_trains_stays_home_and_survives_node_state(tiny_llama_
     alice, bob = node_state(1, keys), node_state(2, keys)
     received = {k: np.full_like(v, 0.01) for k, v in adapter.initial.items()}
 
-    adapter.begin(alice, received)
+    begin(adapter, alice, received)
     adapter.prepare_training(None)
     lr = cfg.train_settings().learning_rate
     train_round(adapter.model, tokenizer, EXAMPLES, cfg.train_settings(), lr, seed=0, lr_groups=adapter.lr_groups())
@@ -78,7 +87,7 @@ def test_each_path_steps_at_its_own_rate_and_exports_as_peft(tiny_llama_dir, tmp
 
     flat = {**CONFIGS[name], "personal.learning-rate": 0.5}
     adapter, cfg, _ = build(tiny_llama_dir, flat)
-    adapter.begin(node_state(1, adapter.state_keys), adapter.initial)
+    begin(adapter, node_state(1, adapter.state_keys), adapter.initial)
     adapter.prepare_training(None)
     groups = adapter.lr_groups()
     trainable = [p for p in adapter.model.parameters() if p.requires_grad]
@@ -112,10 +121,37 @@ def test_pq_dual_starts_the_pq_path_from_what_the_server_sent(tiny_llama_dir):
     assert not any("lora" in n or "P_L" in n for n, _ in detached.named_parameters())
 
 
+def test_the_dual_pool_travels_as_the_plain_pool_and_detaches_to_the_base(tiny_llama_dir):
+    """The personal LoRA is invisible on the wire (the pool's names and initial experts are the plain pool's), the
+    probe's pure base switches both paths off, and detaching gives the base back."""
+    plain, _, _ = build(tiny_llama_dir, {"strategy": "vemoe", "experts.k-max": 3, "experts.r": 2})
+    adapter, _, keys = build(tiny_llama_dir, CONFIGS["vemoe-personal"])
+    assert adapter.name == "experts-dual" and sorted(adapter.initial) == sorted(plain.initial)
+    for key, value in plain.initial.items():
+        np.testing.assert_array_equal(adapter.initial[key], value)
+    state = node_state(1, keys)
+    begin(adapter, state, {k: np.full_like(v, 0.02) for k, v in adapter.initial.items()})
+    rng = np.random.default_rng(1)
+    mine = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in get_personal_arrays(adapter.model).items()}
+    set_personal_arrays(adapter.model, mine)
+    ids = torch.tensor([[1, 2, 3]])
+    base = load_base_model(str(tiny_llama_dir), "fp32", "cpu")
+    with torch.no_grad():
+        reference = base(input_ids=ids).logits
+        assert not torch.allclose(adapter.model(input_ids=ids).logits, reference, atol=1e-3)
+        with adapter.disabled():
+            torch.testing.assert_close(adapter.model(input_ids=ids).logits, reference)
+        detached = adapter.detach()
+        torch.testing.assert_close(detached(input_ids=ids).logits, reference)
+    assert not any("lora" in n or "router" in n for n, _ in detached.named_parameters())
+
+
 def test_the_config_picks_the_kind_and_names_bad_keys():
     assert load_run_config({"strategy": "simgrad"}).adapter == "pqlora-dual"  # the default local path
     assert load_run_config({"strategy": "simgrad", "simgrad.local-path": "pq"}).adapter == "pqlora"
     assert load_run_config({"strategy": "fedavg-dual"}).adapter == "lora-dual"
+    assert load_run_config({"strategy": "vemoe"}).adapter == "experts"
+    assert load_run_config({"strategy": "vemoe", "vemoe.personal-lora": True}).adapter == "experts-dual"
     with pytest.raises(ConfigError, match="simgrad.local-path"):
         load_run_config({"strategy": "simgrad", "simgrad.local-path": "prefix"})
     with pytest.raises(ConfigError, match="personal.r"):

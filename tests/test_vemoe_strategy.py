@@ -146,3 +146,22 @@ def test_vemoe_resumes_after_a_kill_with_its_pool_and_prune_counters(tiny_llama_
     assert _checkpoint_round(run_dir) == 3
     last = {r["partition_id"]: r for r in after if r["round"] == 3 and r["node"] is not None}
     assert len(last) == 3 and all(r["accepted"] for r in last.values())
+
+
+@pytest.mark.e2e
+def test_vemoe_with_a_personal_lora_sends_only_the_pool_and_every_loss_falls(tiny_llama_dir, tmp_path):
+    """``vemoe.personal-lora``: the same secure federation with a personal LoRA beside the pool. The server's pool
+    has the plain pool's names only (the personal LoRA never travels), every client's loss falls, and each client
+    saves its personal LoRA as a PEFT directory."""
+    run_dir = tmp_path / "run"
+    extra = {"secure": True, "num-server-rounds": 2, "vemoe.personal-lora": True, "personal.r": 2}
+    run_in_child("test_toy_strategy", "run_in_process", config(tiny_llama_dir, run_dir, **extra), 3)
+    rows = _rows(run_dir)
+    trained = [r for r in rows if r["round"] > 0 and r["node"] is not None]
+    assert len(trained) == 6 and all(r["accepted"] for r in trained)
+    for expert in _pool(run_dir):
+        assert all(name.startswith("model.layers.") and ".lora_" in name for name in expert), sorted(expert)[:3]
+    loss = {(r["partition_id"], r["round"]): r["eval_loss"] for r in rows if r["node"] is not None}
+    assert all(loss[p, 2] < loss[p, 0] for p in range(3)), loss
+    for p in range(3):
+        assert (run_dir / "client-adapters" / f"partition-{p}" / "personal-lora" / "adapter_model.safetensors").exists()

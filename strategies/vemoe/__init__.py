@@ -4,7 +4,8 @@ aggregation and open-world expert management.
 ``routing.py`` (responsibilities from probe losses, the top-m experts) and ``pool.py`` (the constant-length payload,
 the experts from its sum, prune / merge / birth) are its math; ``server.py`` and ``client.py`` its two halves;
 ``config.py`` its section (``vemoe.*``). The pool of experts is the adapter kind ``experts``
-(``common.adapters.experts``, ``experts.*``).
+(``common.adapters.experts``, ``experts.*``); with ``vemoe.personal-lora`` it is ``experts-dual``, the pool beside a
+personal LoRA that never leaves the client.
 """
 
 from ..spec import StrategySpec
@@ -12,6 +13,13 @@ from .client import VEMoEClient
 from .config import VemoeSection
 from .server import VEMoE
 
-SPEC = StrategySpec(name=VEMoE.name, server=VEMoE, client=VEMoEClient, adapter="experts", section=VemoeSection)
+SPEC = StrategySpec(
+    name=VEMoE.name,
+    server=VEMoE,
+    client=VEMoEClient,
+    adapter="experts",
+    section=VemoeSection,
+    adapter_from=lambda cfg: "experts-dual" if cfg.section(VemoeSection).personal_lora else "experts",
+)
 
 __all__ = ["SPEC", "VEMoE", "VEMoEClient", "VemoeSection"]

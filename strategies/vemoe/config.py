@@ -29,6 +29,9 @@ class VemoeSection(Section):
     prune_threshold: float = Field(0.05, ge=0, lt=1, allow_inf_nan=False)  # share of the round's responsibility
     prune_patience: int = Field(2, ge=1)  # rounds below prune-threshold before the slot is freed
     merge_threshold: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)  # cosine of delta-W above which two merge
+    # a personal LoRA (``personal.*``) beside the pool, trained every round and never sent (adapter kind
+    # ``experts-dual``): what is the client's own stays out of the experts, which are averaged across clients
+    personal_lora: bool = False
     baseline_run: str = ""  # a local-only run dir on the same clients: negative_transfer.png against it ("": none)
 
     def check(self, cfg: RunConfig) -> None:

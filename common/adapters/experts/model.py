@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..lora.ranks import PEFT_PREFIX
 from ..pqlora.model import find_decoder_blocks
 from ..wrapping import paths_disabled, unwrap, wrapped_layers
 from .config import ExpertsSection
@@ -45,12 +46,15 @@ def attach_experts(model: nn.Module, section: ExpertsSection, seed: int) -> nn.M
     routing = ExpertRouting(section.gamma)
     model.experts_routing = routing
     for name, module in targets:
+        # the base model's module path, also inside a peft wrapper (a personal LoRA beside the pool): the wire names
+        # and each new expert's A do not depend on it
+        path = name.removeprefix(PEFT_PREFIX)
         layer = ExpertLinear(
-            module, path=name, k_max=section.k_max, r=section.r, scaling=section.scaling, routing=routing
+            module, path=path, k_max=section.k_max, r=section.r, scaling=section.scaling, routing=routing
         )
         with torch.no_grad():
             for slot in range(section.k_max):
-                layer.lora_A[slot].copy_(initial_a(seed, name, slot, section.r, layer.in_features))
+                layer.lora_A[slot].copy_(initial_a(seed, path, slot, section.r, layer.in_features))
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
     routing.to(next(blocks[0].parameters()).device)
