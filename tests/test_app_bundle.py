@@ -19,7 +19,6 @@ def test_the_bundle_is_the_apps_code_and_stays_far_below_flowers_limit():
     fab = build_fab_from_disk(ROOT)
     names = set(zipfile.ZipFile(io.BytesIO(fab)).namelist())
     code = {str(p.relative_to(ROOT)) for pkg in APP_PACKAGES for p in (ROOT / pkg).rglob("*.py")}
-    code = {name for name in code if "__pycache__" not in name}
     assert code <= names, sorted(code - names)[:5]  # every module the ServerApp and ClientApp may import
     others = {n for n in names if n.split("/")[0] not in APP_PACKAGES and n not in ("pyproject.toml", "LICENSE")}
     assert not {n for n in others if not n.startswith(".info/")}, sorted(others)[:5]  # no docs, tests, results
