@@ -28,7 +28,9 @@ def expert_utilization(rows: list[dict[str, Any]], out: Path) -> Path:
             ax.annotate(f"{event['kind']} {event['slot']}", (rnd, p["responsibility"][event["slot"]]), fontsize=7)
     integer_rounds(ax)
     ax.set_ylabel("responsibility mass (sum over clients)")
-    ax.set_title(f"Expert utilization ({max((p['experts'] for _, p in pool), default=0)} experts at most)")
+    # "experts" counts the pool after the round's events, so a round that merged shows fewer than it trained
+    most = max((p["experts"] for _, p in pool), default=0)
+    ax.set_title(f"Expert utilization ({slots} slots; at most {most} experts after a round's events)")
     if slots:
         ax.legend(fontsize=7, ncol=2)
     return save(fig, out)
