@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cfg=$1; after=${2:-1}
-run_dir=$(python3 -c "import re, sys; print(re.search(r\"run-dir='([^']+)'\", sys.argv[1]).group(1))" "$cfg")
+run_dir=$(python3 -c "import re, sys; m = re.search(r\"run-dir='(/[^']+)'\", sys.argv[1]); print(m[1] if m else '')" "$cfg")
+[ -n "$run_dir" ] || { echo "the run-config needs an absolute run-dir='/...'" >&2; exit 2; }
 export FLWR_HOME=${FLWR_HOME:-$run_dir.flwr-home}
 checkpointed() { python3 -c "import json; print(json.load(open('$run_dir/checkpoint/state.json'))['round'])" 2>/dev/null \
   || echo -1; }
