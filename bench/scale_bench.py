@@ -11,15 +11,16 @@ over all the round's clients, how many clients trained and how many model loads 
 process: the base model is loaded once per actor and reused for every client it serves). Round 1 carries the model
 loads; the steady state is the mean of the later rounds.
 
-Writes ``bench/results/scale.json`` and prints a Markdown table, one row per (strategy, mode, total, sampled), with
-the server's memory per idle client estimated from the runs that differ only in TOTAL.
+Writes ``bench/results/scale.json`` (with the machine it ran on) and prints a Markdown table, one row per (strategy,
+mode, total, sampled), with the server's memory per idle client estimated from the runs that differ only in TOTAL and
+what SecAgg+ adds to a round where a grid item ran both plain and secure. ``--table A.json B.json ...`` prints the same
+table for reports written by several invocations, without running anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.compare_merge import machine  # noqa: E402
 from deploy.local_sim import flwr_run, prepare_home, stop_superlink  # noqa: E402
 
 DEFAULT_GRID = "10/10,100/10,1000/10,1000/5,1000/20"
@@ -89,6 +91,7 @@ def steady(rounds: list[dict]) -> dict:
     return {k: sum((r[k] or 0.0) for r in later) / len(later) for k in keys} | {
         "server_rss_mb_max": max((r["server_rss_mb"] or 0.0) for r in rounds),
         "trained": rounds[-1]["trained"],
+        "evaluated": rounds[-1]["evaluated"],
         "actor_processes": max(r["actor_processes"] for r in rounds),
     }
 
@@ -109,6 +112,47 @@ def idle_client_memory(results: list[dict]) -> dict[str, float]:
     return out
 
 
+def secure_overhead(results: list[dict]) -> dict[str, float]:
+    """What SecAgg+ adds to a steady round, as a fraction of the plain round, per (strategy, total, sampled) that ran
+    in both modes."""
+    plain = {(r["strategy"], r["total"], r["sampled"]): r for r in results if r["mode"] == "plain"}
+    out = {}
+    for res in results:
+        base = plain.get((res["strategy"], res["total"], res["sampled"]))
+        if res["mode"] == "secure" and base is not None:
+            key = f"{res['strategy']} {res['total']}/{res['sampled']}"
+            out[key] = res["steady"]["wall_seconds"] / base["steady"]["wall_seconds"] - 1.0
+    return out
+
+
+def print_report(report: dict) -> None:
+    """The Markdown table, then memory per idle client and the secure overhead."""
+    where = report.get("machine")
+    if isinstance(where, dict):
+        where = f"{where['cpu']}, {where['cores']} cores, AVX512-BF16 {where['avx512_bf16']}, CUDA {where['cuda']}"
+    print(f"machine: {where}; {report['rounds']} rounds")
+    print(HEADER)
+    for result in report["runs"]:
+        print(_row(result))
+    for key, value in idle_client_memory(report["runs"]).items():
+        print(f"server memory per idle client ({key}): {value:.3f} MB")
+    for key, value in secure_overhead(report["runs"]).items():
+        print(f"SecAgg+ adds to a round ({key}): {100 * value:+.0f} %")
+
+
+def join_reports(paths: list[str]) -> dict:
+    """Several invocations' reports as one (they must share the machine and the number of rounds)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    for key in ("machine", "rounds"):
+        if any(r.get(key) != reports[0].get(key) for r in reports):
+            raise SystemExit(f"--table: the reports differ in {key!r}; join only runs of one machine and length")
+    return {
+        "machine": reports[0].get("machine"),
+        "rounds": reports[0]["rounds"],
+        "runs": [run for r in reports for run in r["runs"]],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", default=DEFAULT_GRID, help="TOTAL/SAMPLED items, comma-separated")
@@ -119,11 +163,15 @@ def main() -> None:
     parser.add_argument("--extra", default="", help="more --run-config overrides")
     parser.add_argument("--timeout", type=float, default=7200)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "scale.json"))
+    parser.add_argument("--table", nargs="+", metavar="REPORT", help="print the table of these reports; run nothing")
     args = parser.parse_args()
+    if args.table:
+        print_report(join_reports(args.table))
+        return
 
     work = Path(tempfile.mkdtemp(prefix="tessera-scale-"))
     home = prepare_home(work / "flwr-home")
-    report: dict = {"machine": f"{platform.processor() or platform.machine()}", "rounds": args.rounds, "runs": []}
+    report: dict = {"machine": machine(), "rounds": args.rounds, "runs": []}
     try:
         for strategy in args.strategies.split(","):
             for mode in args.modes.split(","):
@@ -150,29 +198,27 @@ def main() -> None:
     finally:
         stop_superlink(home)
     report["server_mb_per_idle_client"] = idle_client_memory(report["runs"])
+    report["secure_overhead"] = secure_overhead(report["runs"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(HEADER)
-    for result in report["runs"]:
-        print(_row(result))
-    for key, value in report["server_mb_per_idle_client"].items():
-        print(f"server memory per idle client ({key}): {value:.3f} MB")
+    print_report(report)
     print(f"written to {args.out}")
 
 
 HEADER = (
-    "| strategy | mode | clients | sampled | trained | round s (steady) | round 1 s | run s | server RSS MB | "
-    "client peak RSS MB | actor processes | KB up/round | KB down/round |\n|" + "---|" * 13
+    "| strategy | mode | clients | sampled | trained / evaluated | round s (steady) | round 1 s | run s | "
+    "server RSS MB | client peak RSS MB | actor processes | KB up/round | KB down/round |\n|" + "---|" * 13
 )
 
 
 def _row(res: dict) -> str:
     s = res["steady"]
+    evaluated = s.get("evaluated", res["rounds"][-1]["evaluated"])
     return (
-        f"| {res['strategy']} | {res['mode']} | {res['total']} | {res['sampled']} | {s['trained']} | "
+        f"| {res['strategy']} | {res['mode']} | {res['total']:,} | {res['sampled']} | {s['trained']} / {evaluated} | "
         f"{s['wall_seconds']:.1f} | {res['rounds'][0]['wall_seconds']:.1f} | {res['run_seconds']:.0f} | "
-        f"{s['server_rss_mb_max']:.0f} | {s['peak_client_rss_mb']:.0f} | {s['actor_processes']} | "
-        f"{s['bytes_up'] / 1e3:.0f} | {s['bytes_down'] / 1e3:.0f} |"
+        f"{s['server_rss_mb_max']:.0f} | {s['peak_client_rss_mb']:,.0f} | {s['actor_processes']} | "
+        f"{s['bytes_up'] / 1e3:,.0f} | {s['bytes_down'] / 1e3:,.0f} |"
     )
 
 

@@ -70,3 +70,26 @@ def test_server_memory_per_idle_client_compares_runs_that_differ_only_in_size():
         [result(10, 400.0), result(100, 409.0), result(1000, 499.0), result(10, 500.0, "secure")]
     )
     assert per_client == {"fedavg/plain/10 sampled": pytest.approx(0.1)}  # (499 - 400) / 990; secure has one run
+
+
+def test_secure_overhead_pairs_each_secure_run_with_its_plain_twin():
+    def result(mode, total, seconds, strategy="fedavg"):
+        return {"strategy": strategy, "mode": mode, "total": total, "sampled": 10, "steady": {"wall_seconds": seconds}}
+
+    runs = [result("plain", 10, 40.0), result("secure", 10, 50.0), result("secure", 1000, 60.0)]
+    runs.append(result("secure", 10, 30.0, "simgrad"))  # no plain twin: no overhead claimed
+    assert scale_bench.secure_overhead(runs) == {"fedavg 10/10": pytest.approx(0.25)}
+
+
+def test_reports_of_several_invocations_join_only_on_one_machine(tmp_path):
+    import json
+
+    machine = {"cpu": "X", "cores": 2, "avx512_bf16": True, "cuda": None}
+    for name, cpu in (("a", "X"), ("b", "X"), ("c", "Y")):
+        run = {"strategy": name, "mode": "plain", "total": 10, "sampled": 10}
+        report = {"machine": machine | {"cpu": cpu}, "rounds": 2, "runs": [run]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+    joined = scale_bench.join_reports([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert [r["strategy"] for r in joined["runs"]] == ["a", "b"] and joined["machine"]["cpu"] == "X"
+    with pytest.raises(SystemExit, match="machine"):
+        scale_bench.join_reports([str(tmp_path / "a.json"), str(tmp_path / "c.json")])
