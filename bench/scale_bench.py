@@ -73,6 +73,8 @@ def summarise(rows: list[dict]) -> list[dict]:
                 "evaluated": sum(1 for r in clients if r.get("eval_loss") is not None),
                 "server_rss_mb": agg.get("server_rss_mb"),
                 "peak_client_rss_mb": max((r.get("peak_rss_mb") or 0.0) for r in clients),
+                # the largest state one client keeps between rounds (held per client in Flower's simulation state)
+                "client_state_kb": max((r.get("state_bytes") or 0) for r in clients) / 1e3,
                 "bytes_up": sum(r.get("bytes_up") or 0 for r in clients),
                 "bytes_down": sum(r.get("bytes_down") or 0 for r in clients),
                 "actor_processes": len(pids),
@@ -92,6 +94,7 @@ def steady(rounds: list[dict]) -> dict:
         "server_rss_mb_max": max((r["server_rss_mb"] or 0.0) for r in rounds),
         "trained": rounds[-1]["trained"],
         "evaluated": rounds[-1]["evaluated"],
+        "client_state_kb": max(r.get("client_state_kb", 0.0) for r in rounds),
         "actor_processes": max(r["actor_processes"] for r in rounds),
     }
 
@@ -207,7 +210,9 @@ def main() -> None:
 
 HEADER = (
     "| strategy | mode | clients | sampled | trained / evaluated | round s (steady) | round 1 s | run s | "
-    "server RSS MB | client peak RSS MB | actor processes | KB up/round | KB down/round |\n|" + "---|" * 13
+    "server RSS MB | client peak RSS MB | state KB / client | actor processes | KB up/round | KB down/round |\n|"
+    + "---|"
+    * 14
 )
 
 
@@ -217,9 +222,14 @@ def _row(res: dict) -> str:
     return (
         f"| {res['strategy']} | {res['mode']} | {res['total']:,} | {res['sampled']} | {s['trained']} / {evaluated} | "
         f"{s['wall_seconds']:.1f} | {res['rounds'][0]['wall_seconds']:.1f} | {res['run_seconds']:.0f} | "
-        f"{s['server_rss_mb_max']:.0f} | {s['peak_client_rss_mb']:,.0f} | {s['actor_processes']} | "
+        f"{s['server_rss_mb_max']:.0f} | {s['peak_client_rss_mb']:,.0f} | {_state_kb(s)} | {s['actor_processes']} | "
         f"{s['bytes_up'] / 1e3:,.0f} | {s['bytes_down'] / 1e3:,.0f} |"
     )
+
+
+def _state_kb(steady_round: dict) -> str:
+    """Older reports predate ``state_bytes``: their state column is unknown, not 0."""
+    return f"{steady_round['client_state_kb']:,.0f}" if "client_state_kb" in steady_round else "n/a"
 
 
 if __name__ == "__main__":

@@ -135,6 +135,7 @@ class ClientRuntime:
             "startup-seconds": _startup["spawn"] + _startup["ready"],
             "ray-node": _ray_node(),
             "state-restored": _restored.get(self.partition_id, ""),
+            "state-bytes": self.state.nbytes(),
         }
 
 

@@ -69,6 +69,7 @@ def evaluate_round(
                         "startup-seconds",
                         "ray-node",
                         "state-restored",
+                        "state-bytes",
                     )
                 }
             )

@@ -4,7 +4,7 @@ an undeclared key is refused; SimGrad's client half aligns what is sent."""
 
 import numpy as np
 import pytest
-from flwr.app import Context, RecordDict
+from flwr.app import ConfigRecord, Context, RecordDict
 
 from common.adapters import ClientState, UndeclaredStateError
 from common.adapters.pqlora import PQLoraAdapter, get_pq_arrays
@@ -83,6 +83,18 @@ def test_client_state_refuses_undeclared_keys():
         state.put("myadapter.extra", {"x": np.ones(2, np.float32)})
     with pytest.raises(UndeclaredStateError):
         state.get("simgrad.ema")
+
+
+def test_client_state_reports_the_bytes_it_keeps():
+    records = RecordDict()
+    state = ClientState(records, ("pqlora.local", "simgrad.ema"))
+    assert state.nbytes() == 0  # a client that has kept nothing yet (FedAvg's, always)
+    state.put("pqlora.local", {"p": np.ones((8, 8), np.float32)})
+    one = state.nbytes()
+    assert 256 <= one < 256 + 512  # the 256 bytes of data and the array's header
+    state.put("simgrad.ema", {"e": np.ones((8, 8), np.float32)})
+    records["config"] = ConfigRecord({"other": 1})  # records outside the declared keys are not the client's arrays
+    assert state.nbytes() == 2 * one
 
 
 def test_adapters_detach_back_to_the_untouched_base(tiny_llama_dir):

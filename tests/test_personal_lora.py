@@ -192,6 +192,8 @@ def test_a_dual_path_federation_sends_only_the_global_path(tiny_llama_dir, tmp_p
         assert set(arrays) <= set(adapter.initial), sorted(set(arrays) - set(adapter.initial))[:3]
     loss = {(r["partition_id"], r["round"]): r["eval_loss"] for r in rows}
     assert all(loss[p, 2] < loss[p, 0] for p in range(3)), loss
+    kept = {r["state_bytes"] for r in trained}  # what each client keeps between rounds: the same shapes everywhere
+    assert len(kept) == 1 and kept.pop() > 0, trained
     for p in range(3):
         assert (run_dir / "client-adapters" / f"partition-{p}" / "personal-lora" / "adapter_model.safetensors").exists()
 

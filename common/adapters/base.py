@@ -76,6 +76,11 @@ class ClientState:
         self._check(key)
         self._records[key] = to_array_record(dict(arrays))
 
+    def nbytes(self) -> int:
+        """Bytes of the arrays this client keeps now (what it costs the SuperNode, or the simulation, per client)."""
+        present = [key for key in self.declared if key in self._records]
+        return sum(len(array.data) for key in present for array in self._records.array_records[key].values())
+
 
 class AdapterKind(Protocol):
     """One kind of adapter (LoRA, PQ-LoRA, ...): what arrives, what trains, what is sent, what is kept.
