@@ -86,6 +86,12 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
+def outside_rounds(rows: list[dict], run_seconds: float) -> float:
+    """Seconds of ``flwr run`` outside every round, round 0's evaluation included: starting Flower and its Ray
+    actors, admitting every client (one query each, so this grows with TOTAL), writing the outputs."""
+    return run_seconds - sum(r["seconds"] for r in rows if r["node"] is None)
+
+
 def steady(rounds: list[dict]) -> dict:
     """The later rounds' mean (round 1 pays the model loads), or round 1 when it is the only one."""
     later = rounds[1:] or rounds
@@ -187,12 +193,14 @@ def main() -> None:
                         raise SystemExit(f"{strategy} {mode} {total}/{sampled} failed:\n{proc.stdout[-3000:]}")
                     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
                     rounds = summarise(rows)
+                    run_seconds = time.perf_counter() - started
                     result = {
                         "strategy": strategy,
                         "mode": mode,
                         "total": total,
                         "sampled": sampled,
-                        "run_seconds": time.perf_counter() - started,
+                        "run_seconds": run_seconds,
+                        "outside_rounds_seconds": outside_rounds(rows, run_seconds),
                         "rounds": rounds,
                         "steady": steady(rounds),
                     }
@@ -209,7 +217,7 @@ def main() -> None:
 
 
 HEADER = (
-    "| strategy | mode | clients | sampled | trained / evaluated | round s (steady) | round 1 s | run s | "
+    "| strategy | mode | clients | sampled | trained / evaluated | round s (steady) | round 1 s | outside rounds s | "
     "server RSS MB | client peak RSS MB | state KB / client | actor processes | KB up/round | KB down/round |\n|"
     + "---|"
     * 14
@@ -221,10 +229,14 @@ def _row(res: dict) -> str:
     evaluated = s.get("evaluated", res["rounds"][-1]["evaluated"])
     return (
         f"| {res['strategy']} | {res['mode']} | {res['total']:,} | {res['sampled']} | {s['trained']} / {evaluated} | "
-        f"{s['wall_seconds']:.1f} | {res['rounds'][0]['wall_seconds']:.1f} | {res['run_seconds']:.0f} | "
+        f"{s['wall_seconds']:.1f} | {res['rounds'][0]['wall_seconds']:.1f} | {_outside(res)} | "
         f"{s['server_rss_mb_max']:.0f} | {s['peak_client_rss_mb']:,.0f} | {_state_kb(s)} | {s['actor_processes']} | "
         f"{s['bytes_up'] / 1e3:,.0f} | {s['bytes_down'] / 1e3:,.0f} |"
     )
+
+
+def _outside(res: dict) -> str:
+    return f"{res['outside_rounds_seconds']:.0f}" if "outside_rounds_seconds" in res else "n/a"
 
 
 def _state_kb(steady_round: dict) -> str:

@@ -56,6 +56,7 @@ def test_rounds_are_summarised_and_round_one_is_left_out_of_the_steady_state():
     assert [r["round"] for r in rounds] == [1, 2, 3]  # round 0 (the first evaluation) is not a training round
     assert [r["new_processes"] for r in rounds] == [2, 0, 0] and rounds[0]["actor_processes"] == 2
     assert rounds[1]["trained"] == 3 and rounds[1]["bytes_up"] == 3000 and rounds[1]["peak_client_rss_mb"] == 102.0
+    assert scale_bench.outside_rounds(_rows([400.0, 410.0, 420.0], [[7], [7], [7]]), 100.0) == pytest.approx(35.0)
     steady = scale_bench.steady(rounds)
     assert steady["wall_seconds"] == pytest.approx(25.0)  # rounds 2 and 3, not round 1's 10 s
     assert steady["server_rss_mb_max"] == 420.0
