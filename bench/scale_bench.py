@@ -105,32 +105,37 @@ def steady(rounds: list[dict]) -> dict:
     }
 
 
-def idle_client_memory(results: list[dict]) -> dict[str, float]:
-    """Server MB per idle client, from runs equal but for TOTAL: (RSS at the largest - at the smallest) / extra."""
-    out = {}
-    by_key: dict[tuple, list[dict]] = {}
+def _mean_by(results: list[dict], key: tuple[str, ...], value) -> dict[tuple, float]:
+    """The mean of ``value(run)`` over the runs that share ``key`` (a grid item run more than once counts once)."""
+    groups: dict[tuple, list[float]] = {}
     for res in results:
-        by_key.setdefault((res["strategy"], res["mode"], res["sampled"]), []).append(res)
-    for (strategy, mode, sampled), runs in by_key.items():
-        if len(runs) > 1:
-            lo, hi = min(runs, key=lambda r: r["total"]), max(runs, key=lambda r: r["total"])
-            extra = hi["total"] - lo["total"]
-            out[f"{strategy}/{mode}/{sampled} sampled"] = (
-                hi["steady"]["server_rss_mb_max"] - lo["steady"]["server_rss_mb_max"]
-            ) / extra
+        groups.setdefault(tuple(res[k] for k in key), []).append(value(res))
+    return {k: sum(v) / len(v) for k, v in groups.items()}
+
+
+def idle_client_memory(results: list[dict]) -> dict[str, float]:
+    """Server MB per idle client, from runs equal but for TOTAL: (RSS at the largest - at the smallest) / extra;
+    repeated runs of one grid item are averaged first."""
+    rss = _mean_by(results, ("strategy", "mode", "sampled", "total"), lambda r: r["steady"]["server_rss_mb_max"])
+    out = {}
+    for strategy, mode, sampled in sorted({k[:3] for k in rss}):
+        totals = sorted(k[3] for k in rss if k[:3] == (strategy, mode, sampled))
+        if len(totals) > 1:
+            lo, hi = totals[0], totals[-1]
+            growth = rss[strategy, mode, sampled, hi] - rss[strategy, mode, sampled, lo]
+            out[f"{strategy}/{mode}/{sampled} sampled"] = growth / (hi - lo)
     return out
 
 
 def secure_overhead(results: list[dict]) -> dict[str, float]:
     """What SecAgg+ adds to a steady round, as a fraction of the plain round, per (strategy, total, sampled) that ran
-    in both modes."""
-    plain = {(r["strategy"], r["total"], r["sampled"]): r for r in results if r["mode"] == "plain"}
+    in both modes (repeated runs averaged)."""
+    seconds = _mean_by(results, ("strategy", "mode", "total", "sampled"), lambda r: r["steady"]["wall_seconds"])
     out = {}
-    for res in results:
-        base = plain.get((res["strategy"], res["total"], res["sampled"]))
-        if res["mode"] == "secure" and base is not None:
-            key = f"{res['strategy']} {res['total']}/{res['sampled']}"
-            out[key] = res["steady"]["wall_seconds"] / base["steady"]["wall_seconds"] - 1.0
+    for (strategy, mode, total, sampled), secure in seconds.items():
+        plain = seconds.get((strategy, "plain", total, sampled))
+        if mode == "secure" and plain is not None:
+            out[f"{strategy} {total}/{sampled}"] = secure / plain - 1.0
     return out
 
 

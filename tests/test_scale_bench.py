@@ -71,6 +71,8 @@ def test_server_memory_per_idle_client_compares_runs_that_differ_only_in_size():
         [result(10, 400.0), result(100, 409.0), result(1000, 499.0), result(10, 500.0, "secure")]
     )
     assert per_client == {"fedavg/plain/10 sampled": pytest.approx(0.1)}  # (499 - 400) / 990; secure has one run
+    repeated = [result(10, 400.0), result(1000, 499.0), result(1000, 519.0), result(1000, 509.0, "secure")]
+    assert scale_bench.idle_client_memory(repeated) == {"fedavg/plain/10 sampled": pytest.approx(109 / 990)}  # mean 509
 
 
 def test_secure_overhead_pairs_each_secure_run_with_its_plain_twin():
@@ -80,6 +82,8 @@ def test_secure_overhead_pairs_each_secure_run_with_its_plain_twin():
     runs = [result("plain", 10, 40.0), result("secure", 10, 50.0), result("secure", 1000, 60.0)]
     runs.append(result("secure", 10, 30.0, "simgrad"))  # no plain twin: no overhead claimed
     assert scale_bench.secure_overhead(runs) == {"fedavg 10/10": pytest.approx(0.25)}
+    runs.append(result("plain", 10, 60.0))  # a repeated plain run: the plain time is the mean, 50 s
+    assert scale_bench.secure_overhead(runs) == {"fedavg 10/10": pytest.approx(0.0)}
 
 
 def test_reports_of_several_invocations_join_only_on_one_machine(tmp_path):
