@@ -32,8 +32,12 @@ from bench.compare_merge import machine  # noqa: E402
 from deploy.local_sim import flwr_run, prepare_home, stop_superlink  # noqa: E402
 
 DEFAULT_GRID = "10/10,100/10,1000/10,1000/5,1000/20"
-# one short local task per sampled client: the benchmark measures the federation, not the learning
-WORKLOAD = "train.local-steps=2 eval.max-examples=4 eval.generate-examples=1 eval.max-new-tokens=4"
+# one short local task per sampled client: the benchmark measures the federation, not the learning. A bank of 1,000
+# examples a task gives each of 1,000 clients 4 (with the default 400, 400 of them hold 1 and are left out at admission)
+WORKLOAD = (
+    "train.local-steps=2 eval.max-examples=4 eval.generate-examples=1 eval.max-new-tokens=4 "
+    "data.max-examples-per-task=1000"
+)
 
 
 def parse_grid(text: str) -> list[tuple[int, int]]:

@@ -13,6 +13,7 @@ per-round reports.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -236,6 +237,7 @@ def query_clients(
         for nid in node_ids
     ]
     answers: dict[int, tuple[int, str, str, Arrays]] = {}  # node -> partition, model, digest, arrays if it sent them
+    refusals: Counter[str] = Counter()  # why nodes gave none, so a run that lost many clients says so once
     for nid, reply in _send(grid, messages, timeout).items():
         try:
             arrays, identity = read_initial_reply(_content(reply))
@@ -246,6 +248,16 @@ def query_clients(
             answers[nid] = (partition, model, digest, arrays)
         except (ReplyError, KeyError, TypeError, ValueError) as err:
             log.warning("node %d gave no initial adapter: %s", nid, err)
+            refusals[_reason(str(err))] += 1
+    if refusals:
+        reason, count = refusals.most_common(1)[0]
+        log.warning(
+            "%d of %d nodes gave no initial adapter (%d of them: %s)",
+            sum(refusals.values()),
+            len(node_ids),
+            count,
+            reason,
+        )
     adapters: dict[str, tuple[str, Arrays]] = {}
     for model in sorted({a[1] for a in answers.values()}):
         holders = {nid: a for nid, a in answers.items() if a[1] == model}
@@ -257,8 +269,15 @@ def query_clients(
         agreed_digest, arrays = adapters.get(model, ("", {}))
         clients[nid] = ClientInfo(nid, partition, model, arrays if digest == agreed_digest else {}, digest)
     if required and not clients:
-        raise RuntimeError("no client returned an initial adapter")
+        why = f": {refusals.most_common(1)[0][0]}" if refusals else ""
+        raise RuntimeError(f"no client returned an initial adapter{why}")
     return clients
+
+
+def _reason(error: str) -> str:
+    """An error without its numbers, so that one cause met by many nodes counts once ("partition 7 has 1 examples"
+    and "partition 9 has 1 examples" are one reason)."""
+    return re.sub(r"\d+", "N", error)
 
 
 def _fetch_adapter(grid, holders: dict[int, tuple[int, str, str, Arrays]], timeout: float) -> tuple[str, Arrays] | None:

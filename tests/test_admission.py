@@ -157,3 +157,23 @@ def test_the_server_fetches_one_adapter_per_model_and_digests_from_everyone_else
     assert all(np.array_equal(clients[5].initial[k], other[k]) for k in START)
     kept, left_out = Admission().admit(clients)
     assert sorted(kept) == [1, 2, 3, 4, 5] and not left_out  # the liar's digest is the agreed one; its arrays unused
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_nodes_left_out_are_counted_with_their_reason_and_a_run_nobody_joins_says_why(caplog):
+    """1,000 simulated clients on a bank too small for them lost 400 at admission, one warning each; the count and
+    the reason now come in one line, and when every node fails the run's error names the reason."""
+    ok = lambda content: initial_reply(START, {"partition-id": 0, "model": "smol"})  # noqa: E731
+    grid = InMemoryGrid({1: ok, 2: lambda content: "offline", 3: lambda content: "offline"})
+    import logging
+
+    server_log = logging.getLogger("tessera.server")  # it does not propagate: listen on it directly
+    server_log.addHandler(caplog.handler)
+    try:
+        assert sorted(query_clients(grid, [1, 2, 3], timeout=1.0)) == [1]
+    finally:
+        server_log.removeHandler(caplog.handler)
+    assert any("2 of 3 nodes gave no initial adapter (2 of them:" in r.getMessage() for r in caplog.records)
+    nobody = InMemoryGrid({2: lambda content: "offline", 3: lambda content: "offline"})
+    with pytest.raises(RuntimeError, match="no client returned an initial adapter: .*offline"):
+        query_clients(nobody, [2, 3], timeout=1.0, required=True)
