@@ -214,8 +214,14 @@ def partition_examples(
     # More clients than tasks: the clients that share a task split it IID.
     task = tasks[partition_id % len(tasks)]
     sharers = [p for p in range(num_partitions) if p % len(tasks) == partition_id % len(tasks)]
+    shared = [e for e in bank if e.task == task]
+    if len(shared) < len(sharers):  # flwr_datasets would fail with an index error; say what to change instead
+        raise ValueError(
+            f"task {task!r} has {len(shared)} examples for the {len(sharers)} clients that share it: raise "
+            f"data.max-examples-per-task ({cfg.max_examples_per_task}), add tasks or use fewer clients"
+        )
     iid = IidPartitioner(num_partitions=len(sharers))
-    iid.dataset = _table([e for e in bank if e.task == task])
+    iid.dataset = _table(shared)
     return _examples(iid.load_partition(sharers.index(partition_id)))
 
 

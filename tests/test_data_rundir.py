@@ -50,6 +50,15 @@ def test_train_test_split_is_disjoint_and_client_data_validates():
         client_data(DataSection(), 5, 3, 0)
 
 
+def test_more_clients_than_a_task_has_examples_is_refused_naming_the_key():
+    """10,000 clients on the built-in bank (400 examples a task): each client used to fail inside flwr_datasets."""
+    small = DataSection(tasks="boolq,xsum", max_examples_per_task=10)
+    with pytest.raises(
+        ValueError, match=r"'boolq' has 10 examples for the 11 clients .*data.max-examples-per-task \(10\)"
+    ):
+        client_data(small, 0, 22, seed=0)
+
+
 def test_few_shot_keeps_few_training_examples_and_the_same_large_held_out_splits():
     """data.max-train-examples cuts training examples only: the test and validation splits are those of the run
     without it, so a few-shot preset is judged on as many held-out examples as any other."""
