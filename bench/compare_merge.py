@@ -38,6 +38,11 @@ def machine() -> dict[str, Any]:
     }
 
 
+def machine_name(m: dict[str, Any]) -> str:
+    """One line for a ``machine()`` record: what a timing table names as its machine."""
+    return f"{m['cpu']}, {m['cores']} cores, AVX512-BF16 {m['avx512_bf16']}, CUDA {m['cuda']}"
+
+
 def run_machines(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The machine of every run of a report, keyed ``"label seed"`` (a merged report keeps its own map; an older
     one keyed by seed alone, or none, means that machine for every strategy)."""
@@ -148,7 +153,7 @@ def machine_line(report: dict[str, Any]) -> str:
     by_machine: dict[str, dict[int, list[str]]] = {}
     for key, m in run_machines(report).items():
         label, seed = key.rsplit(" ", 1)
-        name = f"{m['cpu']}, {m['cores']} cores, AVX512-BF16 {m['avx512_bf16']}, CUDA {m['cuda']}"
+        name = machine_name(m)
         by_machine.setdefault(name, {}).setdefault(int(seed), []).append(label)
     if len(by_machine) == 1:
         return f"Machine: {next(iter(by_machine))}."

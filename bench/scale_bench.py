@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.compare_merge import machine  # noqa: E402
+from bench.compare_merge import machine, machine_name  # noqa: E402
 from deploy.local_sim import flwr_run, prepare_home, stop_superlink  # noqa: E402
 
 DEFAULT_GRID = "10/10,100/10,1000/10,1000/5,1000/20"
@@ -147,7 +147,7 @@ def print_report(report: dict) -> None:
     """The Markdown table, then memory per idle client and the secure overhead."""
     where = report.get("machine")
     if isinstance(where, dict):
-        where = f"{where['cpu']}, {where['cores']} cores, AVX512-BF16 {where['avx512_bf16']}, CUDA {where['cuda']}"
+        where = machine_name(where)
     print(f"machine: {where}; {report['rounds']} rounds")
     print(HEADER)
     for result in report["runs"]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.compare_merge import machine
+from bench.compare_merge import machine, machine_name
 from common.adapters import ReportsBound, adapter_kind
 from common.adapters.sublora.model import subspace_of
 from common.data import client_data
@@ -153,7 +153,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         m = machine()
         (out / "sublora.json").write_text(json.dumps({"machine": m, "args": vars(args), "rows": rows}, indent=1))
-        where = f"{m['cpu']}, {m['cores']} cores, AVX512-BF16 {m['avx512_bf16']}, CUDA {m['cuda']}"
+        where = machine_name(m)
         budget = f"{args.rounds} rounds x {args.steps} steps x batch {args.batch_size}, task {args.task}"
         (out / "sublora.md").write_text(
             f"# SubLoRA: allocation x dimension\n\nMachine: {where}. Budget: {budget}.\n\n{table(rows)}\n"
