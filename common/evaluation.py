@@ -114,7 +114,7 @@ def generate_answers(
     device = next(model.parameters()).device
     answers: list[str] = []
     for i in range(0, len(examples), batch_size):
-        prompts = [prompt_ids(tokenizer, e.prompt)[-(max_len - max_new_tokens) :] for e in examples[i : i + batch_size]]
+        prompts = [prompt_ids(tokenizer, e)[-(max_len - max_new_tokens) :] for e in examples[i : i + batch_size]]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)

@@ -27,23 +27,60 @@ class Encoded:
     labels: list[int]  # IGNORE on the prompt, token ids on the answer
 
 
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The chat-templated prompt, ending with the assistant header (what generation starts from)."""
+def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    """The conversation as the model's chat template writes it (a plain "role: text" layout for a model that has
+    none), ending with the assistant header when ``generation_prompt``."""
     if tokenizer.chat_template:
-        out = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-    return tokenizer(prompt + "\n")["input_ids"]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant: " if generation_prompt else "")
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def prompt_ids(tokenizer, example: Example) -> list[int]:
+    """The chat-templated conversation before the example's last assistant turn, ending with the assistant header
+    (what generation starts from)."""
+    messages = example.messages()
+    return _ids(tokenizer, _render(tokenizer, messages[:-1], generation_prompt=True))
+
+
+def _pieces(tokenizer, messages: list[dict[str, str]]) -> list[tuple[list[int], bool]]:
+    """The conversation as token pieces, each (ids, learned): the template's text between assistant turns is
+    context; every assistant turn's text + EOS is learned. Rendered turn by turn, so that the pieces line up with
+    what the template writes for the whole conversation (a template that does not render a conversation as a
+    prefix of the longer one is refused: its assistant turns cannot be found)."""
+    pieces: list[tuple[list[int], bool]] = []
+    written = ""
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:k], generation_prompt=True)
+        if not before.startswith(written):
+            raise ValueError("the model's chat template does not write a conversation turn by turn")
+        pieces.append((_ids(tokenizer, before[len(written) :]), False))
+        pieces.append((_ids(tokenizer, message["content"]) + [tokenizer.eos_token_id], True))
+        written = before + message["content"] + (tokenizer.eos_token or "")
+    return pieces
 
 
 def encode(tokenizer, example: Example, max_len: int) -> Encoded:
-    """Prompt + answer + EOS, truncated from the LEFT of the prompt so the answer always survives."""
-    p_ids = prompt_ids(tokenizer, example.prompt)
-    a_ids = tokenizer(example.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    a_ids = a_ids[: max_len // 2]
-    p_ids = p_ids[-(max_len - len(a_ids)) :]
-    return Encoded(p_ids + a_ids, [IGNORE] * len(p_ids) + a_ids)
+    """The conversation + EOS after every assistant turn, loss on the assistant turns only; over ``max_len`` it is
+    cut from the LEFT, after the last assistant turn is cut to ``max_len // 2``, so the last answer always
+    survives."""
+    pieces = _pieces(tokenizer, example.messages())
+    last, _ = pieces[-1]
+    pieces[-1] = (last[: max_len // 2], True)
+    ids = [t for piece, _ in pieces for t in piece]
+    labels = [t if learned else IGNORE for piece, learned in pieces for t in piece]
+    return Encoded(ids[-max_len:], labels[-max_len:])
+
+
+def encoded_length(tokenizer, example: Example) -> int:
+    """Tokens of the whole conversation before any cut (what ``max_len`` is compared with)."""
+    return sum(len(piece) for piece, _ in _pieces(tokenizer, example.messages()))
 
 
 def collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
@@ -122,7 +159,8 @@ def train_round(
     groups = [{"params": ps, "lr": lr * scale} for ps, scale in parts]
     optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
     rng = random.Random(seed)
-    encoded = [encode(tokenizer, e, cfg.max_seq_len) for e in examples]
+    # Encoded when first drawn, not all up front: a node with 200,000 examples trains a few batches a round.
+    encoded: dict[int, Encoded] = {}
     order: list[int] = []
     model.train()
     losses, tokens, seen = [], 0, 0
@@ -131,9 +169,12 @@ def train_round(
         step_loss = 0.0
         for _ in range(cfg.grad_accum_steps):
             if len(order) < cfg.batch_size:  # epoch-style sampling: every example before any repeats
-                fresh = list(range(len(encoded)))
+                fresh = list(range(len(examples)))
                 rng.shuffle(fresh)
                 order.extend(fresh)
+            for i in order[: cfg.batch_size]:
+                if i not in encoded:
+                    encoded[i] = encode(tokenizer, examples[i], cfg.max_seq_len)
             chosen = [encoded[i] for i in order[: cfg.batch_size]]
             del order[: cfg.batch_size]
             step_loss += accumulate_batch(model, chosen, tokenizer.pad_token_id, cfg, device)
@@ -153,3 +194,24 @@ def train_round(
         "train_seconds": seconds,
         "tokens_per_second": tokens / max(seconds, 1e-9),
     }
+
+
+def token_counts(tokenizer, examples: list[Example], max_len: int, batch: int = 1000) -> tuple[int, int]:
+    """(tokens, examples over ``max_len``) of the examples as training sees them, counted cheaply for a large
+    file: every turn's text is tokenised in batches (the fast tokenizer, no template rendering per example) and
+    the template's own tokens per turn are added, measured once on an empty conversation."""
+    if not examples:
+        return 0, 0
+    probe = Example("", "", "", (("user", ""), ("assistant", "")))
+    per_pair = encoded_length(tokenizer, probe)  # the template's tokens around one user and one assistant turn
+    tokens, over = 0, 0
+    for start in range(0, len(examples), batch):
+        chunk = examples[start : start + batch]
+        texts = [m["content"] for e in chunk for m in e.messages()]
+        lengths = iter(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+        for e in chunk:
+            turns = len(e.messages())
+            n = sum(next(lengths) for _ in range(turns)) + per_pair * (turns + 1) // 2
+            tokens += n
+            over += n > max_len
+    return tokens, over

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from common.data import DATA_COUNT_KEYS
 from common.logs import get_logger
 from common.records import num_bytes
 
@@ -70,6 +71,7 @@ def evaluate_round(
                         "ray-node",
                         "state-restored",
                         "state-bytes",
+                        *DATA_COUNT_KEYS,
                     )
                 }
             )

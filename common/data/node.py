@@ -1,0 +1,173 @@
+"""One client's data: the node's own file when its node config names one, else its share of the run's bank.
+
+A SuperNode's node config may name its data: ``data-path`` (a file or ``save_to_disk`` directory on the node),
+``data-format`` (``auto`` by default: from the columns) and ``data-test-path`` (an explicit test file; then the
+data file gives only validation and training examples, copies of a test example left out). It wins over the run's
+``data.*`` for that node, and neither the path nor the text leaves the node: the server learns counts
+(``ClientData.counts``). In simulation, where every SuperNode shares one node config, ``data.partition-sources``
+maps partition i to the i-th file, so the same federation can be simulated.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.core_sections import DataSection
+
+from .bank import client_splits, load_task_bank
+from .example import DataError, Example
+from .files import read_file
+from .split import Split, split_beside_test_file, split_examples
+
+NODE_KEYS = ("data-path", "data-format", "data-test-path")
+# What a client reports about its data (beside its identity, every round): counts, never paths or text.
+DATA_COUNT_KEYS = (
+    "data-examples",
+    "data-train",
+    "data-validation",
+    "data-test",
+    "data-trained-on",
+    "data-clipped",
+    "data-test-copies-dropped",
+    "data-tokens",
+    "data-over-max-seq-len",
+)
+OWN_TASKS = "node-data"  # what a client on its own data reports as its tasks: the names in its file stay on the node
+
+
+@dataclass(frozen=True)
+class OwnData:
+    """Where a node's own data is (known only on the node) and how to read it."""
+
+    path: str
+    format: str = "auto"
+    test_path: str = ""
+
+
+@dataclass
+class ClientData:
+    """A client's training and held-out examples, and the counts the server may learn about them."""
+
+    train: list[Example]
+    held_out: list[Example]
+    own: bool = False  # the node's own data (its task names are not reported)
+    counts: dict[str, int] = field(default_factory=dict)
+    tasks: str = ""  # what the client reports as its tasks (set where the data is used)
+
+
+def own_data(cfg: DataSection, node_config: dict[str, Any], partition_id: int) -> OwnData | None:
+    """The node's own data source, if its node config (or, in simulation, ``data.partition-sources``) names one."""
+    unknown = sorted(str(k) for k in node_config if str(k).startswith("data-") and k not in NODE_KEYS)
+    if unknown:
+        raise DataError(f"node config: unknown key(s) {unknown}; the data keys are {list(NODE_KEYS)}")
+    for key in NODE_KEYS:
+        if key in node_config and not (isinstance(node_config[key], str) and node_config[key].strip()):
+            raise DataError(f"node config {key}: expected a non-empty string")
+    if "data-path" in node_config:
+        return OwnData(
+            str(node_config["data-path"]),
+            str(node_config.get("data-format", cfg.format)),
+            str(node_config.get("data-test-path", "")),
+        )
+    if "data-test-path" in node_config or "data-format" in node_config:
+        raise DataError("node config: data-test-path and data-format need data-path")
+    if cfg.partition_sources:
+        if partition_id >= len(cfg.partition_sources):
+            raise DataError(
+                f"data.partition-sources names {len(cfg.partition_sources)} files; partition {partition_id} has none"
+            )
+        return OwnData(cfg.partition_sources[partition_id], cfg.format)
+    return None
+
+
+def load_client_data(
+    cfg: DataSection, partition_id: int, num_partitions: int, seed: int, node_config: dict[str, Any] | None = None
+) -> ClientData:
+    """The (train, held-out) examples of one client and their counts. Held-out is its test split, or with
+    ``data.eval-split = "validation"`` its validation split; the training examples are the same whichever is
+    evaluated. ``data.max-train-examples`` then keeps that many training examples, chosen with ``seed`` (few-shot),
+    leaving the held-out splits as they are."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
+    source = own_data(cfg, node_config or {}, partition_id)
+    counts: dict[str, int] = {}
+    if source is None:
+        splits = client_splits(_cached_bank(cfg), partition_id, num_partitions, cfg, seed)
+    else:
+        splits, counts = own_splits(cfg, source)
+    _check_sizes(cfg, splits, source)
+    train = splits["train"]
+    if cfg.max_train_examples:  # few-shot: which training examples a client keeps is the seed's to choose
+        train = list(train)
+        random.Random(seed * 1_000_003 + partition_id).shuffle(train)
+        train = train[: cfg.max_train_examples]
+    held_out = splits["validation"] if cfg.eval_split == "validation" else splits["test"]
+    counts.update(
+        {
+            "data-train": len(splits["train"]),
+            "data-validation": len(splits["validation"]),
+            "data-test": len(splits["test"]),
+            "data-trained-on": len(train),
+        }
+    )
+    return ClientData(train, held_out, source is not None, counts)
+
+
+def client_data(
+    cfg: DataSection, partition_id: int, num_partitions: int, seed: int, node_config: dict[str, Any] | None = None
+) -> tuple[list[Example], list[Example]]:
+    """``load_client_data``'s (train, held-out) pair."""
+    data = load_client_data(cfg, partition_id, num_partitions, seed, node_config)
+    return data.train, data.held_out
+
+
+def own_splits(cfg: DataSection, source: OwnData) -> tuple[dict[Split, list[Example]], dict[str, int]]:
+    """A node's own file(s), split by content; counts of examples, rows whose prompt was cut and test copies."""
+    data = read_file(source.path, source.format, cfg.max_prompt_chars, cfg.max_row_chars)
+    counts = {"data-examples": len(data.examples), "data-clipped": data.clipped, "data-test-copies-dropped": 0}
+    if source.test_path:
+        test = read_file(source.test_path, source.format, cfg.max_prompt_chars, cfg.max_row_chars)
+        splits, dropped = split_beside_test_file(data.examples, test.examples, cfg.validation_fraction)
+        counts.update({"data-test-copies-dropped": dropped, "data-clipped": data.clipped + test.clipped})
+        return splits, counts
+    return split_examples(data.examples, cfg.test_fraction, cfg.validation_fraction), counts
+
+
+def _check_sizes(cfg: DataSection, splits: dict[Split, list[Example]], source: OwnData | None) -> None:
+    """At least one training example and one example in the split that is evaluated."""
+    evaluated = "validation" if cfg.eval_split == "validation" else "test"
+    empty = [name for name in ("train", evaluated) if not splits[name]]
+    if not empty:
+        return
+    total = sum(len(s) for s in splits.values())
+    fraction = cfg.test_fraction if evaluated == "test" else cfg.validation_fraction
+    need = math.ceil(3 / min(fraction, 1 - fraction))
+    reason = (
+        f"too few examples to split: {total} examples gave {len(splits['train'])} train, "
+        f"{len(splits['validation'])} validation and {len(splits['test'])} test (data.test-fraction "
+        f"{cfg.test_fraction}, data.validation-fraction {cfg.validation_fraction}); the {' and '.join(empty)} split "
+        "is empty"
+    )
+    where = f"{Path(source.path)}: " if source is not None else ""
+    raise DataError(
+        reason,
+        f"{where}{reason}. A client needs an example in each; with these fractions that takes about {need} "
+        "examples or more (or give a test file with data-test-path)",
+    )
+
+
+# Per process (a simulation actor serves many clients): the bank of the last data configs.
+_BANKS: dict[str, list[Example]] = {}
+
+
+def _cached_bank(cfg: DataSection) -> list[Example]:
+    key = cfg.model_dump_json()
+    if key not in _BANKS:
+        while len(_BANKS) >= 4:
+            _BANKS.pop(next(iter(_BANKS)))
+        _BANKS[key] = load_task_bank(cfg)
+    return _BANKS[key]
