@@ -99,7 +99,7 @@ def load_client_data(
         splits = client_splits(_cached_bank(cfg), partition_id, num_partitions, cfg, seed)
     else:
         splits, counts = own_splits(cfg, source)
-    _check_sizes(cfg, splits, source)
+    check_sizes(cfg, splits, source)
     train = splits["train"]
     if cfg.max_train_examples:  # few-shot: which training examples a client keeps is the seed's to choose
         train = list(train)
@@ -128,16 +128,27 @@ def client_data(
 def own_splits(cfg: DataSection, source: OwnData) -> tuple[dict[Split, list[Example]], dict[str, int]]:
     """A node's own file(s), split by content; counts of examples, rows whose prompt was cut and test copies."""
     data = read_file(source.path, source.format, cfg.max_prompt_chars, cfg.max_row_chars)
-    counts = {"data-examples": len(data.examples), "data-clipped": data.clipped, "data-test-copies-dropped": 0}
-    if source.test_path:
-        test = read_file(source.test_path, source.format, cfg.max_prompt_chars, cfg.max_row_chars)
-        splits, dropped = split_beside_test_file(data.examples, test.examples, cfg.validation_fraction)
-        counts.update({"data-test-copies-dropped": dropped, "data-clipped": data.clipped + test.clipped})
-        return splits, counts
-    return split_examples(data.examples, cfg.test_fraction, cfg.validation_fraction), counts
+    test = (
+        read_file(source.test_path, source.format, cfg.max_prompt_chars, cfg.max_row_chars)
+        if source.test_path
+        else None
+    )
+    splits, dropped = split_own(cfg, data.examples, test.examples if test else None)
+    clipped = data.clipped + (test.clipped if test else 0)
+    return splits, {"data-examples": len(data.examples), "data-clipped": clipped, "data-test-copies-dropped": dropped}
 
 
-def _check_sizes(cfg: DataSection, splits: dict[Split, list[Example]], source: OwnData | None) -> None:
+def split_own(
+    cfg: DataSection, examples: list[Example], test: list[Example] | None
+) -> tuple[dict[Split, list[Example]], int]:
+    """A node's examples by split (``test``: an explicit test file's examples), and the copies of test examples
+    left out of training."""
+    if test is not None:
+        return split_beside_test_file(examples, test, cfg.validation_fraction)
+    return split_examples(examples, cfg.test_fraction, cfg.validation_fraction), 0
+
+
+def check_sizes(cfg: DataSection, splits: dict[Split, list[Example]], source: OwnData | None) -> None:
     """At least one training example and one example in the split that is evaluated."""
     evaluated = "validation" if cfg.eval_split == "validation" else "test"
     empty = [name for name in ("train", evaluated) if not splits[name]]

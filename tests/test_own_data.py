@@ -1,0 +1,241 @@
+"""A node's own data: every format read from real files, every bad input refused with the row and the fix, the
+node config and the simulation's partition-sources, and the operator's check command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common.config import DataSection
+from common.data import DataError, load_client_data, own_data
+from common.data.files import read_file
+
+QA = [(f"What is the capital of country number {i}?", f"City {i}.") for i in range(40)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def chat_rows():
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": a},
+                {"role": "user", "content": "And in words?"},
+                {"role": "assistant", "content": f"It is {a.lower()}"},
+            ]
+        }
+        for q, a in QA
+    ]
+
+
+def write_all_formats(tmp_path) -> dict[str, object]:
+    """The same 40 question-answer pairs in every format and container the reader takes."""
+    import datasets
+
+    pc = [{"prompt": q, "completion": a} for q, a in QA]
+    out = {
+        "prompt-completion": write_jsonl(tmp_path / "pc.jsonl", pc),
+        "prompt-answer": write_jsonl(tmp_path / "pa.jsonl", [{"prompt": q, "answer": a} for q, a in QA]),
+        "alpaca": tmp_path / "alpaca.json",
+        "chat": write_jsonl(tmp_path / "chat.jsonl", chat_rows()),
+        "sharegpt": write_jsonl(
+            tmp_path / "sharegpt.jsonl",
+            [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in QA],
+        ),
+        "csv": tmp_path / "pc.csv",
+        "parquet": tmp_path / "pc.parquet",
+        "saved": tmp_path / "saved",
+    }
+    out["alpaca"].write_text(json.dumps([{"instruction": q, "input": "", "output": a} for q, a in QA], indent=1))
+    table = datasets.Dataset.from_list(pc)
+    table.to_csv(str(out["csv"]), index=False)
+    table.to_parquet(str(out["parquet"]))
+    table.save_to_disk(str(out["saved"]))
+    return out
+
+
+def test_every_format_and_container_reads_the_same_examples(tmp_path):
+    files = write_all_formats(tmp_path)
+    expected = {
+        "prompt-answer": "prompt-completion",
+        "csv": "prompt-completion",
+        "parquet": "prompt-completion",
+        "saved": "prompt-completion",
+    }
+    keys = {}
+    for name, path in files.items():
+        data = read_file(path)
+        assert data.format == expected.get(name, name), name
+        assert len(data.examples) == 40
+        keys[name] = sorted(e.content_key() for e in data.examples)
+    # single-turn data is the same example whatever it came in (the split then agrees too)
+    assert len({tuple(k) for n, k in keys.items() if n != "chat"}) == 1
+    chat = read_file(files["chat"]).examples[0]
+    assert [m["role"] for m in chat.messages()] == ["system", "user", "assistant", "user", "assistant"]
+    assert chat.answer == "It is city 0." and chat.prompt == "And in words?"
+
+
+def test_a_named_format_wins_over_detection_and_an_unknown_layout_says_what_each_needs(tmp_path):
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"question": q, "reply": a} for q, a in QA])
+    with pytest.raises(DataError, match="cannot tell the format") as err:
+        read_file(path)
+    assert "data-format" in err.value.detail and "'instruction' and 'output'" in err.value.detail
+    with pytest.raises(DataError, match=r"row 1: field 'instruction' is missing \(format alpaca\)"):
+        read_file(path, "alpaca")
+
+
+def test_multi_turn_chat_learns_every_assistant_turn_and_nothing_else(tmp_path):
+    from common.model import load_tokenizer
+    from common.training import IGNORE, encode, prompt_ids
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    example = read_file(write_jsonl(tmp_path / "chat.jsonl", chat_rows()[:1])).examples[0]
+    enc = encode(tokenizer, example, 512)
+    learned = tokenizer.decode([t for t, label in zip(enc.input_ids, enc.labels) if label != IGNORE])
+    assert learned == "City 0.<|im_end|>It is city 0.<|im_end|>"
+    assert tokenizer.decode(enc.input_ids).startswith("<|im_start|>system\nYou are terse.<|im_end|>")
+    # generation is scored on the last assistant turn, from the whole conversation before it
+    assert tokenizer.decode(prompt_ids(tokenizer, example)).endswith("And in words?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def bad_files(tmp_path):
+    """(file, expected message in the error the server may see, expected words in the node's detail)."""
+    big = "x" * 3000
+    cases = {
+        "missing": (tmp_path / "nope.jsonl", "does not exist", "data-path"),
+        "empty": (tmp_path / "empty.jsonl", "is empty", "empty.jsonl"),
+        "invalid-json": (tmp_path / "bad.jsonl", "line 3 is not valid JSON", "Fix that line"),
+        "missing-field": (
+            tmp_path / "field.jsonl",
+            "row 2: field 'completion' is missing",
+            "'prompt' and 'completion'",
+        ),
+        "no-assistant": (tmp_path / "noasst.jsonl", "row 1: field 'messages' has no assistant turn", "assistant turn"),
+        "not-utf8": (tmp_path / "latin.jsonl", "line 2 is not UTF-8", "Save the file as UTF-8"),
+        "huge-row": (tmp_path / "huge.jsonl", "line 2 has 3,0", "raise data.max-row-chars"),
+        "bad-role": (tmp_path / "role.jsonl", "row 1: field 'messages[0].role' must be one of", "data-format"),
+        "not-object": (tmp_path / "list.jsonl", "row 2 is a JSON list, not an object", "object"),
+        "unknown-suffix": (tmp_path / "notes.txt", "files ending in '.txt' are not read", ".parquet"),
+    }
+    good = {"prompt": "q", "completion": "a"}
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n{'prompt': oops}\n")
+    write_jsonl(tmp_path / "field.jsonl", [good, {"prompt": "secret question"}])
+    write_jsonl(tmp_path / "noasst.jsonl", [{"messages": [{"role": "user", "content": "secret question"}]}])
+    (tmp_path / "latin.jsonl").write_bytes(json.dumps(good).encode() + b'\n{"prompt": "caf\xe9", "completion": "a"}\n')
+    write_jsonl(tmp_path / "huge.jsonl", [good, {"prompt": big, "completion": "a"}])
+    write_jsonl(tmp_path / "role.jsonl", [{"messages": [{"role": "robot", "content": "secret"}]}])
+    (tmp_path / "list.jsonl").write_text(json.dumps(good) + '\n["secret question", "a"]\n')
+    (tmp_path / "notes.txt").write_text("secret question\n")
+    return cases
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "empty",
+        "invalid-json",
+        "missing-field",
+        "no-assistant",
+        "not-utf8",
+        "huge-row",
+        "bad-role",
+        "not-object",
+        "unknown-suffix",
+    ],
+)
+def test_bad_data_is_refused_naming_the_row_and_the_fix_without_its_text(tmp_path, case):
+    path, reason, fix = bad_files(tmp_path)[case]
+    cfg = DataSection(max_row_chars=2000)
+    with pytest.raises(DataError) as err:
+        load_client_data(cfg, 0, 1, 0, {"data-path": str(path)})
+    assert reason in str(err.value), str(err.value)
+    assert fix in err.value.detail and str(path) in err.value.detail, err.value.detail
+    # what may reach the server: no path, no file name, no text of a row
+    assert str(tmp_path) not in str(err.value) and path.name not in str(err.value) and "secret" not in str(err.value)
+
+
+def test_too_few_examples_to_split_names_the_fractions_and_the_way_out(tmp_path):
+    path = write_jsonl(tmp_path / "two.jsonl", [{"prompt": q, "completion": a} for q, a in QA[:1]])
+    with pytest.raises(DataError, match=r"too few examples to split: 1 examples") as err:
+        load_client_data(DataSection(), 0, 1, 0, {"data-path": str(path)})
+    assert "data-test-path" in err.value.detail
+
+
+def test_rows_over_the_prompt_limit_are_cut_and_counted_never_dropped(tmp_path):
+    rows = [{"prompt": ("word " * 200) if i % 4 == 0 else q, "completion": a} for i, (q, a) in enumerate(QA)]
+    data = load_client_data(
+        DataSection(max_prompt_chars=100), 0, 1, 0, {"data-path": str(write_jsonl(tmp_path / "l.jsonl", rows))}
+    )
+    assert data.counts["data-examples"] == 40 and data.counts["data-clipped"] == 10
+    assert data.counts["data-train"] + data.counts["data-test"] == 40
+    assert max(len(e.prompt) for e in data.train + data.held_out) <= 104
+
+
+def test_the_node_config_wins_over_the_bank_and_reports_no_task_names(tmp_path):
+    files = write_all_formats(tmp_path)
+    data = load_client_data(DataSection(), 2, 3, 0, {"data-path": str(files["chat"]), "partition-id": 2})
+    assert data.own and {e.task for e in data.train} == {"data"}
+    assert data.counts["data-examples"] == 40 and len(data.train) + len(data.held_out) == 40
+    # the split is the content's: the same examples are test examples on another node, in another format
+    alpaca = load_client_data(DataSection(), 0, 3, 5, {"data-path": str(files["alpaca"])})
+    parquet = load_client_data(DataSection(), 1, 3, 9, {"data-path": str(files["parquet"])})
+    assert [e.content_key() for e in alpaca.held_out] == [e.content_key() for e in parquet.held_out]
+
+
+def test_an_explicit_test_file_is_the_test_split_and_its_copies_are_never_trained_on(tmp_path):
+    rows = [{"prompt": q, "completion": a} for q, a in QA]
+    main = write_jsonl(tmp_path / "main.jsonl", rows)
+    test = write_jsonl(tmp_path / "test.jsonl", [{"prompt": q.upper() + "  ", "completion": a} for q, a in QA[:5]])
+    data = load_client_data(DataSection(), 0, 1, 0, {"data-path": str(main), "data-test-path": str(test)})
+    assert len(data.held_out) == 5 and data.counts["data-test-copies-dropped"] == 5
+    assert not {e.content_key() for e in data.train} & {e.content_key() for e in data.held_out}
+    assert len(data.train) == 35
+
+
+def test_node_config_mistakes_are_named():
+    with pytest.raises(DataError, match=r"unknown key\(s\) \['data-pth'\]"):
+        own_data(DataSection(), {"data-pth": "/x"}, 0)
+    with pytest.raises(DataError, match="data-test-path and data-format need data-path"):
+        own_data(DataSection(), {"data-format": "chat"}, 0)
+
+
+def test_partition_sources_simulate_nodes_that_bring_their_own_data(tmp_path):
+    files = write_all_formats(tmp_path)
+    sources = f"{files['chat']},{files['alpaca']},{files['parquet']}"
+    cfg = DataSection(partition_sources=sources)
+    assert [load_client_data(cfg, p, 3, 0).own for p in range(3)] == [True, True, True]
+    assert load_client_data(cfg, 0, 3, 0).train[0].turns  # partition 0 reads the chat file
+    with pytest.raises(DataError, match="names 3 files; partition 3 has none"):
+        load_client_data(cfg, 3, 4, 0)
+    with pytest.raises(ValueError, match="do not exist"):
+        DataSection(partition_sources=f"{files['chat']},{tmp_path / 'gone.jsonl'}")
+
+
+def run_check(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "common.data", "check", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_check_command_reports_format_counts_split_and_problems(tmp_path):
+    files = write_all_formats(tmp_path)
+    out = run_check(files["chat"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "format: chat" in out.stdout and "examples: 40" in out.stdout and "ready" in out.stdout
+    assert "split (by content" in out.stdout and "tokens (smollm2-135m-instruct)" in out.stdout
+    rows = [{"prompt": q, "completion": a} for q, a in QA] + [{"prompt": "q"}, {"prompt": "r", "completion": ""}]
+    out = run_check(write_jsonl(tmp_path / "some-bad.jsonl", rows))
+    assert out.returncode == 1 and "row 41: field 'completion' is missing" in out.stdout
+    assert "row 42: field 'completion' is empty" in out.stdout and "not ready" in out.stdout
+    out = run_check(tmp_path / "absent.jsonl")
+    assert out.returncode == 1 and "refused:" in out.stdout and "does not exist" in out.stdout
