@@ -94,10 +94,17 @@ class ClientRuntime:
     state: ClientState
     partition_id: int
     run_id: int
-    train: list[Example]
-    test: list[Example]
     node_config: dict[str, Any]
-    data: ClientData
+    data: ClientData  # its training and held-out examples, and the counts it reports about them
+
+    @property
+    def train(self) -> list[Example]:
+        return self.data.train
+
+    @property
+    def test(self) -> list[Example]:
+        """The held-out examples evaluation reports on (the test split, or the validation split when tuning)."""
+        return self.data.held_out
 
     @property
     def model(self) -> Any:
@@ -166,9 +173,7 @@ def get_runtime(context: Context) -> ClientRuntime:
     state = ClientState(context.state, spec.state_keys(cfg))
     client = spec.client(cfg)
     node_config = dict(context.node_config)
-    return ClientRuntime(
-        cfg, loaded, adapter, client, state, partition_id, context.run_id, data.train, data.held_out, node_config, data
-    )
+    return ClientRuntime(cfg, loaded, adapter, client, state, partition_id, context.run_id, node_config, data)
 
 
 def client_data_for(

@@ -44,16 +44,24 @@ class LoopbackFederation:
         work: directory for certificates, the Flower home, the state database and one log per process.
         num_nodes: SuperNodes (partitions); each gets node-config ``partition-id=i num-partitions=num_nodes``.
         node_config: extra node-config for every SuperNode (e.g. ``worker="off"``).
+        node_configs: extra node-config for single SuperNodes, by partition (e.g. its own ``data-path``).
         threads: OMP_NUM_THREADS per SuperNode (several nodes share this machine's cores).
         hosts: names the SuperLink is reached by, besides 127.0.0.1 and localhost (its certificate's names).
     """
 
     def __init__(
-        self, work: Path, num_nodes: int = 3, node_config: str = "", threads: int = 1, hosts: list[str] | None = None
+        self,
+        work: Path,
+        num_nodes: int = 3,
+        node_config: str = "",
+        threads: int = 1,
+        hosts: list[str] | None = None,
+        node_configs: dict[int, str] | None = None,
     ) -> None:
         self.work = work
         self.num_nodes = num_nodes
         self.node_config = node_config
+        self.node_configs = node_configs or {}
         self.threads = threads
         self.certs = generate(work / "certs", ["127.0.0.1", "localhost", *(hosts or [])], nodes=num_nodes)
         self.home = prepare_home(work / "flwr-home")
@@ -117,7 +125,7 @@ class LoopbackFederation:
             env["NODE_KEY"] = str(key)
         proc = self._start(
             name or f"supernode-{index}",
-            ["bash", "deploy/supernode.sh", str(index), str(self.num_nodes), self.node_config],
+            ["bash", "deploy/supernode.sh", str(index), str(self.num_nodes), self.extra_config(index)],
             env,
         )
         if name is None:
@@ -125,6 +133,10 @@ class LoopbackFederation:
         else:
             self._others.append(proc)
         return proc
+
+    def extra_config(self, index: int) -> str:
+        """SuperNode ``index``'s node-config beyond its partition: what every node has, then its own."""
+        return " ".join(part for part in (self.node_config, self.node_configs.get(index, "")) if part)
 
     def up(self) -> LoopbackFederation:
         self.start_superlink()

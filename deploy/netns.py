@@ -154,7 +154,7 @@ class NetworkFederation(LoopbackFederation):
         env["OMP_NUM_THREADS"] = str(self.threads)
         if key is not None:
             env["NODE_KEY"] = str(key)
-        script = ["bash", "deploy/supernode.sh", str(index), str(self.num_nodes), self.node_config]
+        script = ["bash", "deploy/supernode.sh", str(index), str(self.num_nodes), self.extra_config(index)]
         proc = self._start(name or f"supernode-{index}", Network.inside(self.node_ns(index), script), env)
         if name is None:
             self.nodes[index] = proc

@@ -49,9 +49,10 @@ class ClientRuntime(Protocol):
     adapter: AdapterKind
     state: ClientState
     partition_id: int
-    train: list[Example]
     node_config: dict[str, Any]
 
+    @property
+    def train(self) -> list[Example]: ...
     @property
     def tokenizer(self) -> Any: ...
     @property

@@ -11,7 +11,7 @@ from client_app.runtime import ClientRuntime, LoadedModel
 from common.adapters import ClientState, adapter_kind
 from common.adapters.lora import LoraAdapter
 from common.adapters.lora import ranks as lora_ranks
-from common.data import Example
+from common.data import ClientData, Example
 from common.model import load_base_model, load_tokenizer
 from common.training import train_round
 from strategies import load_run_config, strategy_spec
@@ -27,7 +27,9 @@ def runtime(tiny_llama_dir, node_config=None) -> ClientRuntime:
     adapter = loaded.attach(adapter_kind(cfg.adapter), cfg)
     ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
     state = ClientState(ctx.state, strategy_spec("atlas").state_keys(cfg))
-    return ClientRuntime(cfg, loaded, adapter, AtlasClient(cfg), state, 0, 1, EXAMPLES, EXAMPLES, node_config or {})
+    return ClientRuntime(
+        cfg, loaded, adapter, AtlasClient(cfg), state, 0, 1, node_config or {}, ClientData(EXAMPLES, EXAMPLES)
+    )
 
 
 def test_own_ranks_are_attached_trained_and_sent_padded_with_masks(tiny_llama_dir, tmp_path):

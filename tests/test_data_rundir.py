@@ -1,6 +1,5 @@
 """The run directory: checkpoints, metrics, adapters (the data has tests/test_data_bank.py and test_own_data.py)."""
 
-
 import numpy as np
 import pytest
 

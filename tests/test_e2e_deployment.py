@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from common.data.members import write_members
 from deploy.certs import generate
 from deploy.loopback import LoopbackFederation
 
@@ -24,10 +25,20 @@ ROUNDS = 2
 STEP_TIMEOUT = 600  # seconds for any one stage; the whole module is bounded by a few of them
 
 
+EXAMPLES_PER_NODE = 60  # each member's own file (common.data.members: three formats, real text)
+
+
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory):
     work = tmp_path_factory.mktemp("deploy")
-    fed = LoopbackFederation(work, num_nodes=3, node_config=f"state-dir='{work / 'client-state'}'")
+    own = write_members(work / "member-data", EXAMPLES_PER_NODE)
+    fed = LoopbackFederation(
+        work,
+        num_nodes=3,
+        node_config=f"state-dir='{work / 'client-state'}'",
+        node_configs={p: f"data-path='{path}'" for p, (path, _) in own.items()},
+    )
+    fed.own_data = own
     try:
         yield fed.up()
     finally:
@@ -142,3 +153,40 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
     for p in (0, 1):
         assert final[p]["pid"] == round0[p]["pid"] and final[p]["model_loads"] == 1, (round0[p], final[p])
     assert (run_dir / "adapter" / "adapter_config.json").exists()
+
+
+def test_members_own_data_stays_on_the_nodes_fedavg_in_the_clear_and_a_personalised_strategy_under_secagg(federation):
+    """Three organisations, each with its own file in another format named only in its node config (the run config
+    names no data): FedAvg in the clear and fedavg-dual (a personal LoRA beside the averaged one) through SecAgg+.
+    Every node trains on its own examples and its held-out loss falls; the server learns counts only: no path, file
+    name or row text in its logs, run directories or checkpoints."""
+    fed = federation
+    wait_for(lambda: fed.online_nodes() == 3, "three SuperNodes online", poll=3, logs=fed.work)
+    runs = {"plain": "strategy='fedavg'", "secure": "strategy='fedavg-dual' secure=true min-train-replies=3"}
+    for name, strategy in runs.items():
+        run_dir = fed.work / f"own-{name}"
+        config = (
+            f"{strategy} num-server-rounds=1 train.local-steps=6 eval.max-examples=8 eval.max-new-tokens=4 "
+            f"run-dir='{run_dir}'"
+        )
+        done = fed.run(config, timeout=STEP_TIMEOUT)
+        (fed.work / f"flwr-own-{name}.log").write_text(done.stdout + done.stderr)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        rows = [r for r in read_rows(run_dir) if r["node"] is not None]
+        before = {r["partition_id"]: r for r in rows if r["round"] == 0}
+        after = {r["partition_id"]: r for r in rows if r["round"] == 1}
+        assert sorted(after) == [0, 1, 2] and all(r["accepted"] for r in after.values()), after
+        for p, row in after.items():
+            assert row["eval_loss"] < before[p]["eval_loss"], (name, p, before[p]["eval_loss"], row["eval_loss"])
+            # counts of the node's own file (not the bank's), and no task names from it
+            assert row["data_examples"] == EXAMPLES_PER_NODE and row["tasks"] == "node-data", row
+            assert row["data_train"] + row["data_test"] == EXAMPLES_PER_NODE and row["data_tokens"] > 0, row
+    server_side = [fed.work / "superlink.log", *fed.work.glob("flwr-*.log")]
+    server_side += [p for d in fed.work.glob("own-*") for p in d.rglob("*") if p.is_file()]
+    secrets = {str(fed.work / "member-data")} | {path.name for path, _ in fed.own_data.values()}
+    secrets |= {e.prompt[-40:] for _, examples in fed.own_data.values() for e in examples}
+    assert any(p.match("*/checkpoint/*") for p in server_side) and len(secrets) > 100
+    for path in server_side:
+        text = path.read_bytes().decode("utf-8", "replace")
+        leaked = [s for s in secrets if s in text]
+        assert not leaked, (path, leaked[:3])

@@ -1,8 +1,9 @@
 """The docker-compose demo for real: ``deploy/docker/demo.sh --rounds 1`` builds the image without a registry
 (cached after the first time), starts the TLS + SuperNode-auth SuperLink, the fleet gate and three SuperNodes in
-containers, registers the node keys, runs a 1-round FedAvg ``secure=true`` federation on the real 4-bit model and
-copies the run out. Then: every node's held-out loss fell, the round went through SecAgg+, the SuperLink speaks
-only TLS with our CA's certificate, and a SuperNode container with an unregistered key is refused.
+containers (each with its own data volume), registers the node keys, runs a 1-round FedAvg ``secure=true``
+federation on the real 4-bit model and copies the run out. Then: every node's held-out loss fell on its own data,
+the round went through SecAgg+, the SuperLink speaks only TLS with our CA's certificate, and a SuperNode container
+with an unregistered key is refused.
 
 Skips, saying why, where Docker cannot run (no engine answering, no docker-compose). A project name, port,
 certificates and Flower home of its own keep it apart from a demo the operator left up."""
@@ -56,6 +57,7 @@ def demo(tmp_path_factory):
         "TESSERA_DOCKER_CERTS": str(work / "certs"),
         "TESSERA_CONNECTION": "tessera-docker-e2e",
         "FLWR_HOME": str(work / "flwr-home"),
+        "TESSERA_MEMBER_DATA": str(work / "member-data"),  # written by the demo: each node's own file
     }
     out = work / "run"
     cmd = ["bash", "deploy/docker/demo.sh", "--rounds", "1", "--keep", "--out", str(out)]
@@ -78,6 +80,8 @@ def test_every_node_learned_through_secagg(demo):
     for partition in (0, 1, 2):
         assert loss[(partition, 1)] < loss[(partition, 0)], (partition, loss)
     assert all(r["accepted"] for r in rows if r["node"] is not None and r["round"] == 1), rows
+    # every node trained on its own data volume (60 examples in its own format), which the run config never named
+    assert all(r["tasks"] == "node-data" and r["data_examples"] == 60 for r in rows if r["node"] is not None), rows
     log = (out / "flwr-run.log").read_text()
     # ours (the round's one group went through SecAgg+) and Flower's SecAgg+ workflow, which ran to its end
     assert "training group smollm2-135m-instruct (3 clients) via SecAgg+" in log, log[-3000:]

@@ -49,7 +49,7 @@ def test_the_tree_keeps_every_contract():
             "from ..mira import config as _sibling",
             "strategies.atlas is not allowed to import",
         ),
-        ("common/data.py", "import strategies.registry as _above", "common is not allowed to import strategies"),
+        ("common/data/node.py", "import strategies.registry as _above", "common is not allowed to import strategies"),
         ("strategies/base.py", "import server_app.plots as _app", "strategies is not allowed to import server_app"),
     ],
 )

@@ -49,7 +49,8 @@ def test_a_validation_split_leaves_training_alone_and_never_overlaps_the_test_sp
     train, validation = client_data(DataSection(**base, validation_fraction=0.2, eval_split="validation"), 0, 1, 0)
     same_train, same_test = client_data(DataSection(**base, validation_fraction=0.2), 0, 1, 0)
     assert train == same_train and same_test == test  # tuning and reporting runs train on the same examples
-    assert len(validation) == 8 and len(train) == len(plain_train) - 8
+    # the validation split is carved from what would otherwise be training examples (by content: about a fifth)
+    assert 3 <= len(validation) <= 15 and len(train) == len(plain_train) - len(validation)
     prompts = {e.prompt for e in validation}
     assert not prompts & {e.prompt for e in test} and not prompts & {e.prompt for e in train}
     with pytest.raises(ConfigError, match="data.eval-split"):

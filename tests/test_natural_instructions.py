@@ -71,7 +71,7 @@ def test_clients_get_the_categories_as_tasks(tmp_path, monkeypatch):
     second, held_out = client_data(cfg.data, 1, 2, 0)
     assert {e.task for e in first} == {"question generation"} and {e.task for e in second} == {"answer generation"}
     assert all(e.prompt.startswith(("write", "answer")) and "\nInput: " in e.prompt for e in first + second), first[0]
-    assert len(first) + len(held_out) <= 40 and held_out
+    assert len(second) + len(held_out) <= 40 and held_out
     with pytest.raises(ValueError, match="data.keyword-categories"):
         load_run_config({"data.source": "natural-instructions", "data.keyword-categories": ""})
 

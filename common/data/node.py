@@ -150,8 +150,9 @@ def split_own(
 
 def check_sizes(cfg: DataSection, splits: dict[Split, list[Example]], source: OwnData | None) -> None:
     """At least one training example and one example in the split that is evaluated."""
-    evaluated = "validation" if cfg.eval_split == "validation" else "test"
-    empty = [name for name in ("train", evaluated) if not splits[name]]
+    evaluated: Split = "validation" if cfg.eval_split == "validation" else "test"
+    needed: tuple[Split, Split] = ("train", evaluated)
+    empty = [name for name in needed if not splits[name]]
     if not empty:
         return
     total = sum(len(s) for s in splits.values())

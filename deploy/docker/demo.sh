@@ -10,7 +10,8 @@
 #     --run-config S   more run-config, appended to the demo's (e.g. "train.local-steps=8")
 #     --down           only stop a federation left up by --keep (volumes kept: registered keys, past runs)
 #     --purge          the same, and delete its volumes (the SuperLink's database with the registered keys, runs)
-# Environment (all optional): COMPOSE_PROJECT_NAME (tessera), TESSERA_SUPERLINK_PORT (9092), TESSERA_PUBLISH
+# Environment (all optional): TESSERA_MEMBER_DATA (deploy/member-data: each node's own data, in node-<i>/; written
+# by the demo when absent), COMPOSE_PROJECT_NAME (tessera), TESSERA_SUPERLINK_PORT (9092), TESSERA_PUBLISH
 # (127.0.0.1), TESSERA_BASE (base image; default: python:3.11-slim where it can be had, else local/debian:bookworm
 # built by deploy/docker/build-base.sh), TESSERA_DOCKER_CERTS (deploy/certs/docker), TESSERA_CONNECTION
 # (tessera-docker, the host's `flwr` connection), TESSERA_CACHE (the asset cache, ~/.cache/tessera).
@@ -29,7 +30,7 @@ while [ $# -gt 0 ]; do
     --run-config) EXTRA=$2; shift 2 ;;
     --down) DOWN=(down --remove-orphans); shift ;;
     --purge) DOWN=(down --remove-orphans -v); shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "[demo] unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -38,6 +39,8 @@ source scripts/flwr_env.sh   # FLWR_HOME, no telemetry / update checks
 
 export COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-tessera}
 export TESSERA_ASSETS=${TESSERA_CACHE:-$HOME/.cache/tessera}
+# Each SuperNode's own data, mounted in that node only (node-<i>/); the run config names no data.
+export TESSERA_MEMBER_DATA=${TESSERA_MEMBER_DATA:-$ROOT/deploy/member-data}
 export TESSERA_DOCKER_CERTS=${TESSERA_DOCKER_CERTS:-$ROOT/deploy/certs/docker}
 export TESSERA_SUPERLINK_PORT=${TESSERA_SUPERLINK_PORT:-9092}
 CONNECTION=${TESSERA_CONNECTION:-tessera-docker}
@@ -56,6 +59,9 @@ python3 -m common.assets >/dev/null
 # The containers' user (uid 49999) reads it: caches converted before common/assets.py made them 0644 hold 0600
 # weights (safetensors writes them so).
 chmod -R a+rX "$TESSERA_ASSETS/models" "$TESSERA_ASSETS/data"
+# Three members' own data (real text in three formats: chat JSONL, Alpaca JSON, Parquet), unless already there.
+if [ ! -d "$TESSERA_MEMBER_DATA/node-0" ]; then python3 -m common.data members "$TESSERA_MEMBER_DATA"; fi
+chmod -R a+rX "$TESSERA_MEMBER_DATA"
 
 NAME="demo-$(date +%Y%m%d-%H%M%S)"
 OUT=${OUT:-runs/docker/$NAME}
