@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.compare_merge import machine, machine_line, merge_report, round_zero_rows, with_merged
+from bench.compare_merge import machine, machine_line, merge_report, round_zero_rows, split_rule, with_merged
 from bench.compare_runs import (
     borrows_round_zero,
     default_settings,
@@ -36,6 +36,7 @@ from bench.compare_runs import (
 )
 from bench.presets import PRESETS, preset, toml_value
 from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise, verdict_tables, worst_by_round
+from common.data.split import SPLIT_RULE
 
 
 def split_outside_quotes(text: str, sep: str = ",") -> list[str]:
@@ -96,6 +97,7 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
         f"Budget: {report['clients']} clients, {report['rounds']} rounds; seeds {report['seeds']}. Run config: "
         f"`{report['common_config']}`.",
         machine_line(report),
+        f"Split: {split_rule(report)}.",
         "",
         *(
             [
@@ -245,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "common_config": " ".join(f"{k}={toml_value(v)}" for k, v in chosen.overrides.items()) + f" {args.run_config}",
         "strategies": [{"label": label, "name": name, "overrides": extra} for label, name, extra in strategies],
         "machine": machine(),
+        "split": SPLIT_RULE,  # which examples are test, validation and training (the same for every run of it)
         "runs": [],
         "rows": [],
     }

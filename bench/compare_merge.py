@@ -12,7 +12,14 @@ from typing import Any
 
 from bench.compare_runs import parse_overrides, same_settings
 
-MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline")
+MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline", "split")
+# what a report made before ``common.data.split`` (no "split" key) used: the seed shuffled the test split too
+SPLIT_BEFORE = "by seed (made before the split by content: a seed's validation examples could be another's test ones)"
+
+
+def split_rule(report: dict[str, Any]) -> str:
+    """The rule that put a report's examples in their splits."""
+    return report.get("split", SPLIT_BEFORE)
 
 
 def machine() -> dict[str, Any]:
@@ -94,8 +101,9 @@ def merge_report(
     """
     earlier = json.loads(path.read_text())
     for key in MERGE_KEYS:
-        if not same_value(key, earlier.get(key), report[key]):
-            raise SystemExit(f"--merge {path}: {key} differs ({earlier.get(key)!r} there, {report[key]!r} here)")
+        there, here = (split_rule(r) if key == "split" else r.get(key) for r in (earlier, report))
+        if not same_value(key, there, here):
+            raise SystemExit(f"--merge {path}: {key} differs ({there!r} there, {here!r} here)")
     for label, there in strategy_settings(earlier["runs"]).items():  # one label, one strategy (not two defaults)
         here = without_per_run_keys((settings or {}).get(label, {}))
         if here and not same_settings(there, here, defaults or {}):

@@ -260,6 +260,21 @@ def test_merged_seeds_join_the_summary_and_name_their_machine(tmp_path):
     assert json.loads((tmp_path / "compare.json").read_text())["seeds"] == [0, 1, 2]
 
 
+def test_a_report_names_its_split_rule_and_one_made_under_another_rule_is_not_merged(tmp_path):
+    """Reports made before the split by content (no "split") say so, and are not paired with runs made after it."""
+    from common.data import SPLIT_RULE
+
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(_report([0, 1], "A")))  # an old report: no split recorded
+    here = {**_report([2], "A"), "split": SPLIT_RULE}
+    with pytest.raises(SystemExit, match=r"split differs \(.by seed \(made before the split by content"):
+        merge_report(here, path)
+    write_report(tmp_path, here)
+    assert f"Split: {SPLIT_RULE}." in (tmp_path / "compare.md").read_text()
+    path.write_text(json.dumps({**_report([0, 1], "A"), "split": SPLIT_RULE}))
+    assert merge_report(here, path)  # the same rule: merged
+
+
 def test_other_strategies_on_the_same_seeds_join_the_report_and_are_paired(tmp_path):
     def report(label: str, cpu: str, shift: float, seeds=(0, 1)) -> dict:
         return {
