@@ -159,3 +159,28 @@ def test_invalid_config_fails_before_round_one_naming_the_key(flwr_home, tmp_pat
     # before round 1: no client was asked anything, no round was evaluated, nothing was written
     assert "clients:" not in output and "round 0:" not in output, output[-3000:]
     assert not run_dir.exists()
+
+
+def test_partition_sources_simulate_members_own_files_and_bad_data_leaves_its_node_out(flwr_home, tmp_path):
+    """``data.partition-sources``: each simulated node reads its own file (chat JSONL, Alpaca JSON; a third whose
+    line 2 is not JSON). The node with the bad file is left out with the reason in the server's log (a row number,
+    no path); the run goes on with the other two, each training on its own file."""
+    from common.data.members import write_members
+
+    members = write_members(tmp_path / "members", examples_per_member=40)
+    bad = tmp_path / "members" / "broken.jsonl"
+    bad.write_text('{"prompt": "q", "completion": "a"}\n{"prompt": oops}\n')
+    sources = f"{members[0][0]},{members[1][0]},{bad}"
+    run_dir = tmp_path / "run"
+    proc = flwr_run(
+        flwr_home,
+        f"{FAST} num-server-rounds=1 min-train-replies=2 data.partition-sources='{sources}' run-dir='{run_dir}'",
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "gave no initial adapter: node data: line 2 is not valid JSON" in proc.stdout + proc.stderr
+    rows = read_metrics(run_dir)
+    first, last = per_client(rows, 0), per_client(rows, 1)
+    assert sorted(first) == sorted(last) == [0, 1], first
+    for partition, row in last.items():
+        assert row["tasks"] == "node-data" and row["data_examples"] == 40, row
+        assert row["eval_loss"] < first[partition]["eval_loss"], (partition, first[partition], row)

@@ -124,7 +124,10 @@ def bad_files(tmp_path):
         "bad-role": (tmp_path / "role.jsonl", "row 1: field 'messages[0].role' must be one of", "data-format"),
         "not-object": (tmp_path / "list.jsonl", "row 2 is a JSON list, not an object", "object"),
         "unknown-suffix": (tmp_path / "notes.txt", "files ending in '.txt' are not read", ".parquet"),
+        "not-a-dataset": (tmp_path / "folder", "the directory is not a saved dataset", "save_to_disk"),
     }
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "secret.txt").write_text("secret question\n")
     good = {"prompt": "q", "completion": "a"}
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n{'prompt': oops}\n")
