@@ -31,6 +31,8 @@ log = get_logger("tessera.client")
 
 _MODELS: dict[tuple, LoadedModel] = {}  # base models by what defines them: (name, quantisation, device, packing)
 _DATA: dict[tuple, ClientData] = {}
+# token counts of a larger client are estimated from this many of its examples (evenly spaced): start-up, not a cost
+TOKEN_COUNT_LIMIT = 20_000
 model_loads = 0
 model_load_seconds = 0.0
 # This message's start-up: seconds before the handler ran (a fresh ClientApp process) + until its model was ready.
@@ -190,9 +192,9 @@ def client_data_for(
         except DataError as err:
             log.error("partition %d: its data cannot be used: %s", partition_id, err.detail)
             raise DataError(f"node data: {err}") from None
-        examples = data.train + data.held_out
-        tokens, over = token_counts(loaded.tokenizer, examples, cfg.train.max_seq_len)
-        data.counts.update({"data-tokens": tokens, "data-over-max-seq-len": over})
+        examples = data.train + data.held_out  # what it trains on and what it is evaluated on
+        tokens, over, counted = token_counts(loaded.tokenizer, examples, cfg.train.max_seq_len, TOKEN_COUNT_LIMIT)
+        data.counts.update({"data-tokens": tokens, "data-over-max-seq-len": over, "data-tokens-counted": counted})
         data.tasks = OWN_TASKS if data.own else ",".join(sorted({e.task for e in data.train}))
         if data.own:
             log.info("partition %d: own data, %s", partition_id, data.counts)

@@ -196,17 +196,22 @@ def train_round(
     }
 
 
-def token_counts(tokenizer, examples: list[Example], max_len: int, batch: int = 1000) -> tuple[int, int]:
-    """(tokens, examples over ``max_len``) of the examples as training sees them, counted cheaply for a large
-    file: every turn's text is tokenised in batches (the fast tokenizer, no template rendering per example) and
-    the template's own tokens per turn are added, measured once on an empty conversation."""
+def token_counts(
+    tokenizer, examples: list[Example], max_len: int, limit: int = 0, batch: int = 1000
+) -> tuple[int, int, int]:
+    """(tokens, examples over ``max_len``, examples counted) of the examples as training sees them, counted cheaply
+    for a large file: every turn's text is tokenised in batches (the fast tokenizer, no template rendering per
+    example) and the template's own tokens per turn are added, measured once on an empty conversation. ``limit``
+    > 0: at most that many examples, evenly spaced, are counted and the totals scaled to all of them (tokenising
+    200,000 conversations takes ~26 s on 2 cores; the third number says how many were counted)."""
     if not examples:
-        return 0, 0
+        return 0, 0, 0
+    counted = examples[:: -(-len(examples) // limit)] if limit and len(examples) > limit else examples
     probe = Example("", "", "", (("user", ""), ("assistant", "")))
     per_pair = encoded_length(tokenizer, probe)  # the template's tokens around one user and one assistant turn
     tokens, over = 0, 0
-    for start in range(0, len(examples), batch):
-        chunk = examples[start : start + batch]
+    for start in range(0, len(counted), batch):
+        chunk = counted[start : start + batch]
         texts = [m["content"] for e in chunk for m in e.messages()]
         lengths = iter(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
         for e in chunk:
@@ -214,4 +219,5 @@ def token_counts(tokenizer, examples: list[Example], max_len: int, batch: int = 
             n = sum(next(lengths) for _ in range(turns)) + per_pair * (turns + 1) // 2
             tokens += n
             over += n > max_len
-    return tokens, over
+    scale = len(examples) / len(counted)
+    return round(tokens * scale), round(over * scale), len(counted)

@@ -29,6 +29,7 @@ DEMO = DEPLOY / "docker" / "demo.sh"
 FLWR_VERSION = importlib.metadata.version("flwr")
 CERTS_MOUNT = "/app/certs"
 ASSETS = "/srv/assets"  # stands in for $TESSERA_ASSETS (required by the compose file)
+MEMBERS = "/srv/members"  # stands in for $TESSERA_MEMBER_DATA (required: node-<i>/ is node i's own data)
 HELP_ENV = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}  # --help stays offline
 
 
@@ -59,7 +60,7 @@ def interpolate(value, env: dict[str, str]):
 
 def services(path: Path = COMPOSE, **env: str) -> dict[str, dict]:
     """The file's services with variables substituted as compose would, from ``env`` (else their defaults)."""
-    return interpolate(load(path)["services"], {"TESSERA_ASSETS": ASSETS, **env})
+    return interpolate(load(path)["services"], {"TESSERA_ASSETS": ASSETS, "TESSERA_MEMBER_DATA": MEMBERS, **env})
 
 
 def mounts(service: dict) -> dict[str, tuple[str, str]]:
@@ -219,6 +220,22 @@ def test_supernodes_partitions_keys_and_threads():
     assert source in load(COMPOSE)["volumes"], "the state database (registered keys) must be on a named volume"
 
 
+def test_each_supernode_reads_its_own_data_volume_and_nothing_else_mounts_member_data():
+    """A member's data is mounted read-only in its own SuperNode only, and its node-config data-path names a file
+    there: the run config (the SuperLink's) never names it."""
+    from flwr.common.config import parse_config_args
+
+    for name, args in supernodes().items():
+        config = parse_config_args([dict(long_options(args[1:]))["--node-config"]])
+        own = {t: m for t, m in mounts(services()[name]).items() if m[0].startswith(MEMBERS)}
+        assert own == {"/app/data": (f"{MEMBERS}/node-{config['partition-id']}", "ro")}, (name, own)
+        assert PurePosixPath(config["data-path"]).parent == PurePosixPath("/app/data"), (name, config)
+    for name in ("superlink", "fleet-gate"):
+        assert not any(s.startswith(MEMBERS) for s, _ in mounts(services()[name]).values()), name
+    with pytest.raises(KeyError, match="TESSERA_MEMBER_DATA"):  # the members' data must be named, never guessed
+        interpolate(load(COMPOSE)["services"], {"TESSERA_ASSETS": ASSETS})
+
+
 def test_certificates_are_ones_deploy_certs_writes_mounted_read_only():
     hosts = set(re.search(r'--hosts "([^"$]*)', DEMO.read_text())[1].strip(",").split(","))
     made = {"ca.crt", "server.pem", "server.key"} | {f"node-{i}.{ext}" for i in range(3) for ext in ("key", "pub")}
@@ -368,7 +385,12 @@ def compose_cli() -> list[str] | None:
 @pytest.mark.skipif(compose_cli() is None, reason="no docker-compose (Debian: apt-get install docker-compose)")
 def test_docker_compose_itself_accepts_the_files_with_the_gpu_override():
     """`docker-compose config` (no engine needed) merges the base and GPU files: what a GPU host would start."""
-    env = {**os.environ, "TESSERA_ASSETS": ASSETS, "COMPOSE_PROJECT_NAME": "tessera-config-check"}
+    env = {
+        **os.environ,
+        "TESSERA_ASSETS": ASSETS,
+        "TESSERA_MEMBER_DATA": MEMBERS,
+        "COMPOSE_PROJECT_NAME": "tessera-config-check",
+    }
     cmd = [*(compose_cli() or []), "-f", str(COMPOSE), "-f", str(GPU_OVERRIDE), "config"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr

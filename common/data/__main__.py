@@ -79,7 +79,7 @@ def _check(args: argparse.Namespace, cfg: DataSection) -> int:
 
     tokenizer = load_tokenizer(args.model)
     examples = [e for part in splits.values() for e in part]
-    tokens, over = token_counts(tokenizer, examples, args.max_seq_len)
+    tokens, over, _ = token_counts(tokenizer, examples, args.max_seq_len)  # every example: the check may take time
     print(
         f"tokens ({args.model}): {tokens:,}, {tokens / max(len(examples), 1):.0f} an example; {over:,} over "
         f"train.max-seq-len {args.max_seq_len} (cut from the left, the last answer kept)"

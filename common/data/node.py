@@ -35,6 +35,7 @@ DATA_COUNT_KEYS = (
     "data-test-copies-dropped",
     "data-tokens",
     "data-over-max-seq-len",
+    "data-tokens-counted",
 )
 OWN_TASKS = "node-data"  # what a client on its own data reports as its tasks: the names in its file stay on the node
 
