@@ -72,6 +72,7 @@ def round_participants(
                 partitions,
             )
     if evaluates_everyone(server_round, cfg.fraction_evaluate, cfg.evaluate_all_every):
-        return trained, list(node_ids)
+        # everyone the strategy knows: a node left out at admission (its data refused, say) has no adapter to test
+        return trained, [nid for nid in node_ids if nid in partition_of]
     sample = sample_nodes(partition_of, cfg.fraction_evaluate, cfg.min_evaluate_nodes, cfg.seed, server_round, EVALUATE)
     return trained, sorted(set(sample) | set(trained))

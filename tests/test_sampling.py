@@ -58,6 +58,11 @@ def test_who_trains_and_who_is_evaluated():
         round_participants(every, nodes, clients, 2)[1] == nodes
         and len(round_participants(every, nodes, clients, 3)[1]) < 20
     )
+    # a node that answered but was left out at admission (e.g. its own data refused) is never asked to evaluate:
+    # the strategy holds no adapter for it (the server used to crash with a KeyError at round 0)
+    stranger = max(nodes) + 1
+    assert round_participants(full, [*nodes, stranger], clients, 0) == ([], nodes)
+    assert stranger not in round_participants(full, [*nodes, stranger], clients, 1)[1]
 
 
 def test_a_secure_sample_never_falls_below_a_secagg_group():
