@@ -172,12 +172,12 @@ def test_partition_sources_simulate_members_own_files_and_bad_data_leaves_its_no
     bad.write_text('{"prompt": "q", "completion": "a"}\n{"prompt": oops}\n')
     sources = f"{members[0][0]},{members[1][0]},{bad}"
     run_dir = tmp_path / "run"
-    proc = flwr_run(
-        flwr_home,
-        f"{FAST} num-server-rounds=1 min-train-replies=2 data.partition-sources='{sources}' run-dir='{run_dir}'",
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "gave no initial adapter: node data: line 2 is not valid JSON" in proc.stdout + proc.stderr
+    settings = f"num-server-rounds=1 min-train-replies=2 eval.generate-examples=2 data.partition-sources='{sources}'"
+    proc = flwr_run(flwr_home, f"{FAST} {settings} run-dir='{run_dir}'")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Exit Code" not in log, log[-4000:]
+    # the server's log gives the node's reason (a line number, no path: the node's own log has the path)
+    assert "gave no initial adapter: client error: node data: line 2 is not valid JSON" in log, log[-4000:]
     rows = read_metrics(run_dir)
     first, last = per_client(rows, 0), per_client(rows, 1)
     assert sorted(first) == sorted(last) == [0, 1], first
