@@ -83,6 +83,16 @@ def test_every_format_and_container_reads_the_same_examples(tmp_path):
     assert chat.answer == "It is city 0." and chat.prompt == "And in words?"
 
 
+def test_a_folder_of_files_is_read_as_one_dataset(tmp_path):
+    rows = chat_rows()
+    (tmp_path / "notes").mkdir()
+    write_jsonl(tmp_path / "notes" / "2025.jsonl", rows[:25])
+    write_jsonl(tmp_path / "notes" / "2026.jsonl", rows[25:])
+    (tmp_path / "notes" / "README.txt").write_text("not data\n")  # other files in the folder are not read
+    data = load_client_data(DataSection(), 0, 1, 0, {"data-path": str(tmp_path / "notes")})
+    assert data.counts["data-examples"] == 40 and all(e.turns for e in data.train)
+
+
 def test_a_named_format_wins_over_detection_and_an_unknown_layout_says_what_each_needs(tmp_path):
     path = write_jsonl(tmp_path / "odd.jsonl", [{"question": q, "reply": a} for q, a in QA])
     with pytest.raises(DataError, match="cannot tell the format") as err:
@@ -109,6 +119,7 @@ def test_multi_turn_chat_learns_every_assistant_turn_and_nothing_else(tmp_path):
 def bad_files(tmp_path):
     """(file, expected message in the error the server may see, expected words in the node's detail)."""
     big = "x" * 3000
+    good = {"prompt": "q", "completion": "a"}
     cases = {
         "missing": (tmp_path / "nope.jsonl", "does not exist", "data-path"),
         "empty": (tmp_path / "empty.jsonl", "is empty", "empty.jsonl"),
@@ -124,11 +135,21 @@ def bad_files(tmp_path):
         "bad-role": (tmp_path / "role.jsonl", "row 1: field 'messages[0].role' must be one of", "data-format"),
         "not-object": (tmp_path / "list.jsonl", "row 2 is a JSON list, not an object", "object"),
         "unknown-suffix": (tmp_path / "notes.txt", "files ending in '.txt' are not read", ".parquet"),
-        "not-a-dataset": (tmp_path / "folder", "the directory is not a saved dataset", "save_to_disk"),
+        "empty-folder": (
+            tmp_path / "notes-dir",
+            "the folder holds no data file and is not a saved dataset",
+            "save_to_disk",
+        ),
+        "bad-file-in-folder": (tmp_path / "two", "file 2 of 2 in the folder: line 2 is not valid JSON", "b.jsonl"),
+        "mixed-folder": (tmp_path / "mixed", "the folder mixes ['csv', 'json'] files", "one kind of file"),
     }
-    (tmp_path / "folder").mkdir()
-    (tmp_path / "folder" / "secret.txt").write_text("secret question\n")
-    good = {"prompt": "q", "completion": "a"}
+    (tmp_path / "notes-dir").mkdir()
+    (tmp_path / "notes-dir" / "secret.txt").write_text("secret question\n")
+    for name in ("two", "mixed"):
+        (tmp_path / name).mkdir()
+        write_jsonl(tmp_path / name / "a.jsonl", [good] * 5)
+    (tmp_path / "two" / "b.jsonl").write_text(json.dumps(good) + '\n{"prompt": secret}\n')
+    (tmp_path / "mixed" / "b.csv").write_text("prompt,completion\nsecret,a\n")
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n{'prompt': oops}\n")
     write_jsonl(tmp_path / "field.jsonl", [good, {"prompt": "secret question"}])
@@ -154,6 +175,9 @@ def bad_files(tmp_path):
         "bad-role",
         "not-object",
         "unknown-suffix",
+        "empty-folder",
+        "bad-file-in-folder",
+        "mixed-folder",
     ],
 )
 def test_bad_data_is_refused_naming_the_row_and_the_fix_without_its_text(tmp_path, case):

@@ -1,10 +1,10 @@
-"""A node's data file (or ``save_to_disk`` directory) read with ``datasets``, checked row by row into examples.
+"""A node's data (a file, a folder of files or a ``save_to_disk`` directory) read with ``datasets``, row by row.
 
 Reading: JSON Lines / JSON (``.jsonl``, ``.json``: one object a line, or one array of objects), CSV (``.csv``),
-Parquet (``.parquet``) and a directory written by ``Dataset.save_to_disk`` (its ``train`` split if it holds a
-``DatasetDict``). JSON files are scanned line by line before ``datasets`` reads them, because pyarrow's own error
-for a bad line says neither which line nor why: the scan names the line of invalid JSON, of bytes that are not
-UTF-8 and of a row longer than ``data.max-row-chars``.
+Parquet (``.parquet``), a folder of such files (all of one kind, read in name order), and a directory written by
+``Dataset.save_to_disk`` (its ``train`` split if it holds a ``DatasetDict``). JSON files are scanned line by line
+before ``datasets`` reads them, because pyarrow's own error for a bad line says neither which line nor why: the
+scan names the line of invalid JSON, of bytes that are not UTF-8 and of a row longer than ``data.max-row-chars``.
 
 Every problem is a ``DataError``: its message (what may reach the server) has the row and the field; its detail
 (for the node's operator) adds the file and the fix.
@@ -22,6 +22,7 @@ from .example import DataError, Example
 from .formats import FORMATS, HINTS, RowError, detect_format, to_example
 
 READERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # what Dataset.save_to_disk writes
 
 
 @dataclass
@@ -39,18 +40,54 @@ def _fail(path: Path, reason: str, fix: str) -> DataError:
 
 
 def _rows(path: Path, max_row_chars: int) -> Iterable[Mapping[str, Any]]:
-    """The file's rows, through ``datasets`` (memory-mapped Arrow: a large file is not held as Python objects)."""
+    """The rows of the file or folder, through ``datasets`` (memory-mapped Arrow: a large file is not held as Python
+    objects)."""
     if not path.exists():
         raise _fail(path, "the data file does not exist", "Check data-path in the node config (an absolute path).")
     if path.is_dir():
-        return _saved_dataset(path)
-    reader = READERS.get(path.suffix.lower())
-    if reader is None:
+        if any((path / marker).exists() for marker in SAVED_MARKERS):
+            return _saved_dataset(path)
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in READERS)
+    else:
+        files = [path]
+    if not files:
+        raise _fail(
+            path,
+            "the folder holds no data file and is not a saved dataset",
+            f"Put files ending in {sorted(READERS)} in it, or give a directory written by Dataset.save_to_disk.",
+        )
+    readers = {READERS.get(p.suffix.lower()) for p in files}
+    if None in readers:
         raise _fail(
             path,
             f"files ending in {path.suffix or '(nothing)'!r} are not read",
             f"Use one of {sorted(READERS)} or a directory written by Dataset.save_to_disk.",
         )
+    if len(readers) > 1:
+        raise _fail(path, f"the folder mixes {sorted(map(str, readers))} files", "Keep one kind of file in it.")
+    reader = str(readers.pop())
+    for number, file in enumerate(files, 1):
+        try:
+            _check_file(file, reader, max_row_chars)
+        except DataError as err:
+            if len(files) == 1:
+                raise
+            raise DataError(f"file {number} of {len(files)} in the folder: {err}", err.detail) from None
+    import datasets
+
+    try:
+        return datasets.load_dataset(reader, data_files=[str(f) for f in files], split="train")
+    except Exception as err:  # pyarrow / pandas: name the kind of problem, keep their words for the operator
+        cause = err.__cause__ or err
+        raise DataError(
+            f"the {reader} reader refused the file ({type(cause).__name__})",
+            f"{path}: the {reader} reader refused it: {str(cause)[:300]}. Every row must have the same columns "
+            "with the same kinds of values.",
+        ) from err
+
+
+def _check_file(path: Path, reader: str, max_row_chars: int) -> None:
+    """Readable, not empty, and (JSON) every line valid: what ``datasets`` would fail on without saying where."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
@@ -61,17 +98,6 @@ def _rows(path: Path, max_row_chars: int) -> Iterable[Mapping[str, Any]]:
         raise _fail(path, "the data file is empty", "Point data-path at a file with examples in it.")
     if reader == "json":
         _scan_json(path, max_row_chars)
-    import datasets
-
-    try:
-        return datasets.load_dataset(reader, data_files=str(path), split="train")
-    except Exception as err:  # pyarrow / pandas: name the kind of problem, keep their words for the operator
-        cause = err.__cause__ or err
-        raise DataError(
-            f"the {reader} reader refused the file ({type(cause).__name__})",
-            f"{path}: the {reader} reader refused it: {str(cause)[:300]}. Every row must have the same columns "
-            "with the same kinds of values.",
-        ) from err
 
 
 def _saved_dataset(path: Path) -> Any:
