@@ -132,7 +132,7 @@ class DataSection(Section):
         elif Path(self.source).suffix in (".jsonl", ".json", ".csv", ".parquet") or self.source.startswith(
             ("/", ".", "~")
         ):
-            if not Path(self.source).expanduser().is_file():
+            if not Path(self.source).expanduser().exists():
                 raise ValueError(f"data.source: {self.source} does not exist")
         return self
 
