@@ -21,7 +21,6 @@ from flwr.app import Context
 from common.adapters import AdapterKind, ClientState, adapter_kind
 from common.config import RunConfig
 from common.data import ClientData, DataError, Example, load_client_data
-from common.data.node import OWN_TASKS
 from common.logs import get_logger
 from common.model import load_base_model, load_tokenizer
 from common.training import token_counts
@@ -195,7 +194,6 @@ def client_data_for(
         examples = data.train + data.held_out  # what it trains on and what it is evaluated on
         tokens, over, counted = token_counts(loaded.tokenizer, examples, cfg.train.max_seq_len, TOKEN_COUNT_LIMIT)
         data.counts.update({"data-tokens": tokens, "data-over-max-seq-len": over, "data-tokens-counted": counted})
-        data.tasks = OWN_TASKS if data.own else ",".join(sorted({e.task for e in data.train}))
         if data.own:
             log.info("partition %d: own data, %s", partition_id, data.counts)
         _DATA[key] = data

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,12 @@ class ClientData:
     held_out: list[Example]
     own: bool = False  # the node's own data (its task names are not reported)
     counts: dict[str, int] = field(default_factory=dict)
-    tasks: str = ""  # what the client reports as its tasks (set where the data is used)
+
+    @cached_property
+    def tasks(self) -> str:
+        """What the client reports as its tasks: its training examples' task names, or ``node-data`` on the node's
+        own data (the names in its file stay on the node). Reported with every reply: computed once."""
+        return OWN_TASKS if self.own else ",".join(sorted({e.task for e in self.train}))
 
 
 def own_data(cfg: DataSection, node_config: dict[str, Any], partition_id: int) -> OwnData | None:

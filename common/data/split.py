@@ -27,7 +27,10 @@ def unit_interval(example: Example) -> float:
 
 def split_of(example: Example, test_fraction: float, validation_fraction: float) -> Split:
     """``test`` (u < test-fraction), ``validation`` (the next validation-fraction of the rest) or ``train``."""
-    u = unit_interval(example)
+    return _split_at(unit_interval(example), test_fraction, validation_fraction)
+
+
+def _split_at(u: float, test_fraction: float, validation_fraction: float) -> Split:
     if u < test_fraction:
         return "test"
     if u < test_fraction + (1 - test_fraction) * validation_fraction:
@@ -42,9 +45,8 @@ def split_examples(
     ``eval.max-examples`` then takes the same examples everywhere)."""
     out: dict[Split, list[tuple[float, Example]]] = {"test": [], "validation": [], "train": []}
     for example in examples:
-        u = unit_interval(example)
-        split: Split = split_of(example, test_fraction, validation_fraction)
-        out[split].append((u, example))
+        u = unit_interval(example)  # hashed once: it decides the split and the order
+        out[_split_at(u, test_fraction, validation_fraction)].append((u, example))
     return {name: [e for _, e in sorted(pairs, key=lambda p: p[0])] for name, pairs in out.items()}
 
 
