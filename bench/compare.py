@@ -34,6 +34,7 @@ from bench.compare_runs import (
     resolved_settings,
     run_config,
 )
+from bench.numeric_path import numeric_path
 from bench.presets import PRESETS, preset, toml_value
 from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise, verdict_tables, worst_by_round
 from common.data.split import SPLIT_RULE
@@ -267,6 +268,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for i, (seed, (label, name, extra)) in enumerate(((seed, s) for seed in seeds for s in strategies), 1):
             run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label) / f"seed-{seed}"
             configs = [run_config(chosen, rounds, seed, name, extra, args.run_config, run_dir)]
+            path = numeric_path({"settings": resolved_settings(configs[0])}, report["machine"])
+            if seed in lenders and lenders[seed][0].get("path") != path:
+                print(
+                    f"[compare] seed {seed}: round 0 of {lenders[seed][0]['strategy']} ran on another numeric path "
+                    f"({lenders[seed][0].get('path')}; here: {path}): not borrowed, measured again",
+                    flush=True,
+                )
+                del lenders[seed]
             if seed in lenders and borrows_round_zero(extra):
                 configs.append(
                     run_config(chosen, rounds, seed, name, f"{extra} eval.initial=false", args.run_config, run_dir)
@@ -276,7 +285,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "seed": seed,
                 **one_run(run_dir, configs, defaults, home, clients, rounds, args, out),
             }
+            run["path"] = path
             rows = read_run(run_dir / "metrics.jsonl", label, seed) if run.get("ok") else []
+            rows = [{**r, "path": path} for r in rows]
             if run.get("ok") and not any(r["round"] == 0 for r in rows):  # it borrowed round 0
                 rows = [{**r, "strategy": label} for r in lenders[seed]] + rows
                 run["initial_from"] = lenders[seed][0]["strategy"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare_runs import parse_overrides, same_settings
+from bench.numeric_path import with_paths
 
 MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline", "split")
 # what a report made before ``common.data.split`` (no "split" key) used: the seed shuffled the test split too
@@ -115,6 +116,7 @@ def merge_report(
             f"--merge {path}: {', '.join(f'{label} seed {seed}' for label, seed in both)} ran there too "
             "(run each strategy and seed once)"
         )
+    earlier = with_paths(earlier)  # every run and row names its numeric path (older reports: from their machine)
     return {
         "path": str(path),
         "seeds": earlier["seeds"],

@@ -140,9 +140,10 @@ def use_packed_inference(model: torch.nn.Module, enabled: bool | None = None) ->
 
     Args:
         model: any module; only its ``Linear4bit`` layers change (in place).
-        enabled: give no-grad eval forwards an inference copy: the packed kernel's layout where the CPU has it
-            (:func:`cpu_kernel_available`) and the layer fits it, else the dequantised weight; ``None`` = the same.
-            ``False`` keeps every forward on the normal path (bitsandbytes' fp32 4-bit gemm on the CPU).
+        enabled: no-grad eval forwards use the packed kernel's layout (bf16 math) where the CPU has it
+            (:func:`cpu_kernel_available`) and the layer fits it, else the dequantised weight (fp32 math, the same
+            numbers as bitsandbytes' own 4-bit CPU path); ``None`` = the same. ``False``: the dequantised weight on
+            every CPU, so that evaluation computes the same numbers whatever the CPU (comparisons use this).
 
     Returns counts: ``layers`` (4-bit layers seen), ``packed`` (those that will infer packed) and ``dequantised``
     (those that will infer from a dequantised copy).
@@ -166,7 +167,7 @@ def use_packed_inference(model: torch.nn.Module, enabled: bool | None = None) ->
             module.__class__ = PackedInferenceLinear4bit
         if isinstance(module, PackedInferenceLinear4bit):
             module.packed_inference = enabled and kernel and packable(module)
-            module.dequantised_inference = enabled and not module.packed_inference
+            module.dequantised_inference = not module.packed_inference
             module.__dict__.pop("_packed", None)
             module.__dict__.pop("_dequantised", None)
             packed += module.packed_inference

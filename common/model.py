@@ -60,7 +60,8 @@ def load_base_model(name: str, quantization: str = "nf4", device: str = "auto", 
         device: ``auto``, ``cpu`` or ``cuda``.
         cpu_packed_inference: NF4 on a CPU with AVX512-BF16: no-grad eval forwards (evaluation, generation,
             probes) use bitsandbytes' packed bf16 kernel on a copy of the weights; training always uses the
-            normal layout (``common.bnb_cpu``). False: every forward on the normal path. No effect elsewhere.
+            normal layout (``common.bnb_cpu``). False, and on other CPUs: no-grad eval forwards in fp32 from a
+            dequantised copy, the same numbers on every CPU. No effect on CUDA.
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
