@@ -34,9 +34,10 @@ from bench.compare_runs import (
     resolved_settings,
     run_config,
 )
-from bench.numeric_path import numeric_path
+from bench.numeric_path import numeric_path, with_paths
 from bench.presets import PRESETS, preset, toml_value
-from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise, verdict_tables, worst_by_round
+from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise, worst_by_round
+from bench.verdicts import verdict_tables
 from common.data.split import SPLIT_RULE
 
 
@@ -68,7 +69,7 @@ def parse_strategy(item: str) -> tuple[str, str, str]:
     return item.strip(), name, overrides.strip()
 
 
-VERDICT_REPLICATES = 2000  # bootstrap replicates per interval (bench.report.verdict_tables' default)
+VERDICT_REPLICATES = 2000  # bootstrap replicates per interval (bench.verdicts.verdict_tables' default)
 
 
 def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]] | None = None) -> str:
@@ -76,6 +77,7 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
     the verdict tables' markdown."""
     if merged:
         report = with_merged(report, merged)
+    report = with_paths(report)  # runs and rows without a recorded numeric path: from their machine and settings
     rows = report["rows"]
     labels = [s["label"] for s in report["strategies"]]
     baseline = report["baseline"] if report["baseline"] in labels else None
@@ -87,7 +89,8 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
     }
     borrowed = sorted({(r["seed"], r["initial_from"]) for r in report["runs"] if r.get("initial_from")})
     summaries = summarise(rows, baseline, walls)
-    verdicts, report["verdicts"] = verdict_tables(rows, report.get("references", [report["baseline"]]))
+    references = report.get("references", [report["baseline"]])
+    verdicts, report["verdicts"] = verdict_tables(rows, references, report.get("primary"))
     (out / "compare.json").write_text(json.dumps(report, indent=1))
     failed = [f"{r['strategy']} seed {r['seed']}: {r['error']}" for r in report["runs"] if not r.get("ok")]
     text = [
@@ -118,10 +121,13 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
         "",
         markdown_table(summaries),
         "",
-        "Paired differences (A − B < 0: A's loss is lower), per seed and averaged over seeds, with a bootstrap "
-        "interval that resamples each client's held-out examples (the same resample for A and B; "
-        f"{VERDICT_REPLICATES} replicates, seeded): 'better' / 'worse' when the interval excludes 0, else 'not "
-        "resolved'. The interval covers evaluation noise; training noise shows in the per-seed values.",
+        "Paired differences (A − B < 0: A's loss is lower), per seed and averaged over seeds. The verdict's "
+        "interval is seed-aware: a hierarchical bootstrap that draws seeds with replacement, then resamples each "
+        "client's held-out examples within every drawn seed (the same resample for A and B; "
+        f"{VERDICT_REPLICATES} replicates, seeded); 'better' / 'worse' needs that interval to exclude 0 AND the "
+        "paired t-test over the per-seed differences to agree (p < 0.05), with at least 3 seeds; primary claims "
+        "also need their Holm-adjusted p-value below 0.05. 'examples only' keeps the seeds and resamples only "
+        "held-out examples: it leaves out seed-to-seed variation and is shown for reference.",
         "",
         verdicts,
         "",
@@ -223,7 +229,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=[],
         help="an earlier compare.json whose runs (other seeds, or other strategies) join the report",
     )
+    parser.add_argument(
+        "--rerender",
+        action="store_true",
+        help="run nothing: rewrite --out's compare.md and verdicts from its compare.json with the current statistics "
+        "(the verdicts it held are kept once, as verdicts_before)",
+    )
     args = parser.parse_args(argv)
+    if args.rerender:
+        return rerender(Path(args.out))
 
     from deploy.local_sim import prepare_home, stop_superlink
 
@@ -249,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "strategies": [{"label": label, "name": name, "overrides": extra} for label, name, extra in strategies],
         "machine": machine(),
         "split": SPLIT_RULE,  # which examples are test, validation and training (the same for every run of it)
+        "primary": chosen.primary,  # the claims declared before running, corrected for their number
         "runs": [],
         "rows": [],
     }
@@ -303,6 +318,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         stop_superlink(home)
     print(verdicts, flush=True)
     print(f"[compare] report: {out / 'compare.md'}", flush=True)
+    return report
+
+
+def rerender(out: Path) -> dict[str, Any]:
+    """Rewrite a stored report's verdicts and compare.md from its compare.json (runs, rows, machines) alone."""
+    report = json.loads((out / "compare.json").read_text())
+    report.setdefault("verdicts_before", report.get("verdicts", []))
+    print(write_report(out, report), flush=True)
     return report
 
 

@@ -7,6 +7,7 @@ Every preset keeps a validation split (``data.validation-fraction``) so that set
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.assets import QWEN_CODER_ALIAS, SMOLLM2_ALIAS
 
@@ -23,6 +24,9 @@ class Preset:
         clients: simulated clients (partition i of ``clients``).
         rounds: server rounds.
         overrides: run-config values (``key -> value``) on top of pyproject.toml's.
+        primary: the claims this preset is run to test, declared before any run: ``statistic`` (``worst client``
+            or ``mean client``) of every strategy that is not a reference against each of ``references``; the
+            report Holm-corrects their verdicts and calls everything else exploratory (``bench.verdicts``).
     """
 
     name: str
@@ -30,6 +34,9 @@ class Preset:
     clients: int
     rounds: int
     overrides: dict[str, Value] = field(default_factory=dict)
+    primary: dict[str, Any] = field(
+        default_factory=lambda: {"statistic": "worst client", "references": ["local", "fedavg"]}
+    )
 
 
 # The budget every preset shares: 8 local steps of 2 examples per round, cosine-decayed over the rounds. Evaluation

@@ -296,24 +296,6 @@ def gap_by_round_table(rows: Sequence[Row], baseline: str) -> str:
     return "\n".join(lines)
 
 
-def example_losses(rows: Sequence[Row], strategy: str) -> dict[int, dict[int, tuple[list[float], list[int]]]]:
-    """A strategy's per-example held-out losses and token counts at its final round: seed -> client -> (losses,
-    tokens); runs without them (made before they were recorded) are left out."""
-    out: dict[int, dict[int, tuple[list[float], list[int]]]] = {}
-    mine = [r for r in rows if r["strategy"] == strategy]
-    for seed in sorted({r["seed"] for r in mine}):
-        run = [r for r in mine if r["seed"] == seed]
-        last = final_round(run)
-        clients = {
-            r["client"]: (r["eval_example_loss"], r["eval_example_tokens"])
-            for r in run
-            if r["round"] == last and r.get("eval_example_loss") and r.get("eval_example_tokens")
-        }
-        if clients:
-            out[seed] = clients
-    return out
-
-
 def client_labels(rows: Sequence[Row]) -> dict[int, str]:
     """Each client's tasks and base model, as a reader needs them to see who is helped or hurt."""
     labels: dict[int, str] = {}
@@ -323,79 +305,3 @@ def client_labels(rows: Sequence[Row]) -> dict[int, str]:
         model = str(r.get("model") or "").split("/")[-1]
         labels.setdefault(r["client"], ", ".join(str(part) for part in (tasks, model) if part))
     return labels
-
-
-def verdict_tables(
-    rows: Sequence[Row], references: Sequence[str], replicates: int = 2000, level: float = 0.95
-) -> tuple[str, list[dict]]:
-    """Every strategy against every reference (local-only, FedAvg) it is not: the paired worst-client and
-    mean-client differences per seed and averaged, with bootstrap intervals and a verdict, then who is helped or
-    hurt beyond the interval. Returns the markdown and the same as records (for compare.json)."""
-    from bench.stats import BETTER, STATISTICS, UNRESOLVED, WORSE, paired_interval, per_client_intervals
-
-    strategies = strategies_in(rows)
-    data = {s: example_losses(rows, s) for s in strategies}
-    labels = client_labels(rows)
-    pct = f"{level:.0%}"
-    lines = [
-        f"| A − B | statistic | per seed | mean over seeds [{pct} interval] | verdict |",
-        "|---|---|---|---|---|",
-    ]
-    harm = ["| A − B | clients better | clients worse | not resolved | worse (client: difference [interval]) |"]
-    harm.append("|---|---|---|---|---|")
-    records: list[dict] = []
-    done: set[frozenset[str]] = set()  # a pair once: local − fedavg is fedavg − local with the sign flipped
-    for reference in [r for r in references if r in strategies]:
-        for strategy in [s for s in strategies if s != reference]:
-            if frozenset((strategy, reference)) in done:
-                continue
-            done.add(frozenset((strategy, reference)))
-            if not data[strategy] or not data[reference] or not set(data[strategy]) & set(data[reference]):
-                continue
-            pair = f"{strategy} − {reference}"
-            for name, statistic in STATISTICS.items():
-                interval = paired_interval(data[strategy], data[reference], statistic, replicates, level)
-                seeds = ", ".join(f"{d:+.3f}" for d in interval.per_seed)
-                lines.append(f"| {pair} | {name} | {seeds} | {interval} | {verdict_cell(interval.verdict)} |")
-                records.append(
-                    {
-                        "a": strategy,
-                        "b": reference,
-                        "statistic": name,
-                        "estimate": interval.estimate,
-                        "low": interval.low,
-                        "high": interval.high,
-                        "per_seed": list(interval.per_seed),
-                        "verdict": interval.verdict,
-                        "level": level,
-                    }
-                )
-            clients = per_client_intervals(data[strategy], data[reference], replicates, level)
-            verdicts = [c.verdict for c in clients.values()]
-            worse = "; ".join(f"{c} ({labels.get(c, '?')}): {i}" for c, i in clients.items() if i.verdict == WORSE)
-            harm.append(
-                f"| {pair} | {verdicts.count(BETTER)} | {verdicts.count(WORSE)} | "
-                f"{verdicts.count(UNRESOLVED)} | {worse or '–'} |"
-            )
-            records.append(
-                {
-                    "a": strategy,
-                    "b": reference,
-                    "statistic": "per client",
-                    "clients": {
-                        str(c): {"estimate": i.estimate, "low": i.low, "high": i.high, "verdict": i.verdict}
-                        for c, i in clients.items()
-                    },
-                }
-            )
-    if len(lines) == 2:
-        return "No paired verdicts: no two strategies share seeds with per-example held-out losses.", records
-    return "\n".join(lines) + "\n\nWho is helped or hurt (per client, averaged over seeds):\n\n" + "\n".join(
-        harm
-    ), records
-
-
-def verdict_cell(verdict: str) -> str:
-    from bench.stats import UNRESOLVED
-
-    return verdict if verdict == UNRESOLVED else f"**{verdict}**"

@@ -1,21 +1,36 @@
-"""Paired bootstrap confidence intervals for comparing two strategies on the same clients and seeds.
+"""Paired bootstrap intervals, tests and a multiplicity correction for comparing two strategies on the same clients
+and seeds.
 
 Pure functions over NumPy arrays, tested without Flower. A run's verdict data are, per seed and client, the
 held-out examples' mean loss per answer token and their token counts (``eval_example_loss`` /
 ``eval_example_tokens`` in the run's metrics). Two strategies run on the same seed evaluate the same held-out examples
-of every client, in the same order, so the comparison is paired: every bootstrap replicate draws, for each seed and
-client, one resample (with replacement) of that client's held-out examples and applies it to BOTH strategies. A
-client's loss in a replicate is the token-weighted mean over its resampled examples (as ``eval_loss`` is over all).
+of every client, in the same order, so the comparison is paired: a resample of a client's held-out examples is applied
+to BOTH strategies. A client's loss in a replicate is the token-weighted mean over its resampled examples (as
+``eval_loss`` is over all).
 
-The statistic is a difference per seed (e.g. worst client of A minus worst client of B), averaged over seeds; its
-95 % interval is the percentile interval of the replicates. The interval covers the evaluation noise (which held-out
-examples a client happens to have); the training noise enters through the seeds, whose differences are averaged and
-also listed one by one. Verdict: ``better`` (A below B, interval below 0), ``worse`` (above 0) or ``not resolved``.
+The statistic is a difference per seed (e.g. worst client of A minus worst client of B), averaged over seeds. Two
+intervals of it:
+
+- **seed-aware** (``seed_aware_interval``, what verdicts are made on): a hierarchical bootstrap. Each replicate draws
+  the seeds with replacement, then for every drawn seed an independent resample of every client's held-out examples,
+  so the interval holds seed-to-seed variation (training, initialisation, few-shot draw) as well as evaluation noise:
+  seeds that disagree give a wide interval however many examples they have. Beside it, a paired t-test over the
+  per-seed differences (``paired_t``); a seed-aware verdict needs both (the bootstrap alone, drawing from the few
+  seeds seen, is too sure: of 40 simulated comparisons with no true effect and 5 seeds, it called 6, with the t-test
+  beside it 2, the examples-only interval 38; ``tests/test_stats.py``).
+  With fewer than ``MIN_SEEDS`` seeds the seed variation cannot be estimated and the verdict is "not resolved".
+- **examples only** (``paired_interval``): the seeds are kept and only held-out examples are resampled. It shrinks
+  with more seeds whatever their disagreement; reported beside, labelled as what it is.
+
+Verdict: ``better`` (A below B: the interval lies below 0), ``worse`` (above 0) or ``not resolved``. Where several
+claims are made at once (a preset's primary comparisons), ``holm`` adjusts their p-values (Holm 1979: step-down
+Bonferroni, family-wise error at most 1 - level) and ``corrected_verdict`` keeps a verdict only where its adjusted
+p-value is below 1 - level.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,18 +56,39 @@ def mean_client(losses: np.ndarray) -> np.ndarray:
 STATISTICS: dict[str, Statistic] = {"worst client": worst_client, "mean client": mean_client}
 
 
+MIN_SEEDS = 3  # fewer seeds cannot show how much they disagree: a seed-aware verdict needs at least this many
+
+
 @dataclass(frozen=True)
 class Interval:
-    """A paired difference A - B: its value on the data, the bootstrap interval, and the per-seed values."""
+    """A paired difference A - B: its value on the data, the bootstrap interval, and the per-seed values.
+
+    ``seeds_resampled``: the interval is seed-aware (seeds and examples resampled), else examples only.
+    ``p_value``: the bootstrap's two-sided p-value of "no difference"; ``t_p_value``: the paired t-test's over the
+    per-seed differences (None with fewer than two seeds or no spread between them).
+    """
 
     estimate: float
     low: float
     high: float
     per_seed: tuple[float, ...]
     level: float = 0.95
+    seeds_resampled: bool = False
+    p_value: float | None = None
+    t_p_value: float | None = None
+
+    @property
+    def claim_p(self) -> float:
+        """The p-value a claim is judged and corrected on: a seed-aware interval's larger of the bootstrap's and
+        the paired t-test's (the bootstrap over a handful of seeds alone is too sure: it draws from the seeds seen),
+        an examples-only interval's bootstrap p-value."""
+        p = 1.0 if self.p_value is None else self.p_value
+        return max(p, self.t_p_value) if self.seeds_resampled and self.t_p_value is not None else p
 
     @property
     def verdict(self) -> str:
+        if self.seeds_resampled and (len(self.per_seed) < MIN_SEEDS or self.claim_p >= 1 - self.level):
+            return UNRESOLVED
         if self.high < 0:
             return BETTER
         if self.low > 0:
@@ -61,6 +97,43 @@ class Interval:
 
     def __str__(self) -> str:
         return f"{self.estimate:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given: the i-th smallest of m is multiplied by m - i + 1
+    (i from 0), made non-decreasing in that order and capped at 1. A claim stands at family-wise level alpha where its
+    adjusted p-value is below alpha."""
+    m = len(p_values)
+    adjusted = [1.0] * m
+    running = 0.0
+    for rank, index in enumerate(sorted(range(m), key=lambda i: p_values[i])):
+        running = max(running, min(1.0, (m - rank) * float(p_values[index])))
+        adjusted[index] = running
+    return adjusted
+
+
+def corrected_verdict(interval: Interval, adjusted_p: float) -> str:
+    """The interval's verdict where its multiplicity-adjusted p-value is below 1 - level, else "not resolved"."""
+    return interval.verdict if adjusted_p < 1 - interval.level else UNRESOLVED
+
+
+def paired_t(per_seed: Sequence[float]) -> float | None:
+    """The two-sided p-value of a paired t-test that the per-seed differences average 0 (None: fewer than two seeds,
+    or all equal)."""
+    from scipy.stats import ttest_1samp
+
+    values = np.asarray(per_seed, dtype=np.float64)
+    if values.size < 2 or np.ptp(values) == 0:
+        return None
+    return float(ttest_1samp(values, 0.0).pvalue)
+
+
+def bootstrap_p(replicates: np.ndarray) -> float:
+    """Two-sided bootstrap p-value of "the difference is 0": twice the smaller tail at 0, with the +1 correction
+    that keeps it above 0."""
+    n = replicates.size
+    below, above = (np.sum(replicates <= 0) + 1) / (n + 1), (np.sum(replicates >= 0) + 1) / (n + 1)
+    return float(min(1.0, 2 * min(below, above)))
 
 
 def client_loss(loss: ArrayLike, tokens: ArrayLike, index: np.ndarray | None = None) -> np.ndarray:
@@ -92,6 +165,34 @@ def _paired_clients(a: ExampleLosses, b: ExampleLosses) -> list[tuple[int, list[
     return paired
 
 
+def replicate_differences(
+    a: ExampleLosses, b: ExampleLosses, statistic: Statistic, replicates: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per seed both have: the observed difference statistic(A) - statistic(B) (shape [seeds]), and its value on
+    ``replicates`` paired resamples of every client's held-out examples (shape [seeds, replicates])."""
+    paired = _paired_clients(a, b)
+    observed, resampled_diff = np.zeros(len(paired)), np.zeros((len(paired), replicates))
+    for row, (run_seed, clients) in enumerate(paired):
+        losses = {name: np.zeros(len(clients)) for name in ("a", "b")}
+        resampled = {name: np.zeros((replicates, len(clients))) for name in ("a", "b")}
+        for column, client in enumerate(clients):
+            n = np.asarray(a[run_seed][client][0]).size
+            index = rng.integers(0, n, size=(replicates, n))
+            for name, run in (("a", a), ("b", b)):
+                loss, tokens = run[run_seed][client]
+                losses[name][column] = client_loss(loss, tokens)
+                resampled[name][:, column] = client_loss(loss, tokens, index)
+        observed[row] = statistic(losses["a"][None])[0] - statistic(losses["b"][None])[0]
+        resampled_diff[row] = statistic(resampled["a"]) - statistic(resampled["b"])
+    return observed, resampled_diff
+
+
+def _percentiles(values: np.ndarray, level: float) -> tuple[float, float]:
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def paired_interval(
     a: ExampleLosses,
     b: ExampleLosses,
@@ -100,38 +201,63 @@ def paired_interval(
     level: float = 0.95,
     seed: int = 0,
 ) -> Interval:
-    """The paired difference statistic(A) - statistic(B), averaged over the seeds both have, with a percentile
-    bootstrap interval that resamples held-out examples within each client and seed (the same resample for both)."""
+    """EXAMPLES ONLY: the paired difference statistic(A) - statistic(B), averaged over the seeds both have, with a
+    percentile bootstrap interval that keeps the seeds and resamples held-out examples within each client and seed
+    (the same resample for both). It leaves seed-to-seed variation out: see ``seed_aware_interval``."""
+    observed, resampled = replicate_differences(a, b, statistic, replicates, np.random.default_rng(seed))
+    spread = resampled.mean(axis=0)
+    low, high = _percentiles(spread, level)
+    return Interval(float(observed.mean()), low, high, tuple(map(float, observed)), level, p_value=bootstrap_p(spread))
+
+
+def seed_aware_interval(
+    a: ExampleLosses,
+    b: ExampleLosses,
+    statistic: Statistic,
+    replicates: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Interval:
+    """The paired difference statistic(A) - statistic(B), averaged over the seeds both have, with a hierarchical
+    bootstrap interval: each replicate draws as many seeds as there are, with replacement, and for each draw an
+    independent paired resample of every client's held-out examples. Carries the bootstrap p-value and the paired
+    t-test's over the per-seed differences."""
     rng = np.random.default_rng(seed)
-    per_seed, replicate_sum = [], np.zeros(replicates)
-    for run_seed, clients in _paired_clients(a, b):
-        observed = {name: np.zeros(len(clients)) for name in ("a", "b")}
-        resampled = {name: np.zeros((replicates, len(clients))) for name in ("a", "b")}
-        for column, client in enumerate(clients):
-            n = np.asarray(a[run_seed][client][0]).size
-            index = rng.integers(0, n, size=(replicates, n))
-            for name, run in (("a", a), ("b", b)):
-                loss, tokens = run[run_seed][client]
-                observed[name][column] = client_loss(loss, tokens)
-                resampled[name][:, column] = client_loss(loss, tokens, index)
-        per_seed.append(float(statistic(observed["a"][None])[0] - statistic(observed["b"][None])[0]))
-        replicate_sum += statistic(resampled["a"]) - statistic(resampled["b"])
-    spread = replicate_sum / len(per_seed)
-    tail = (1 - level) / 2 * 100
-    low, high = np.percentile(spread, [tail, 100 - tail])
-    return Interval(float(np.mean(per_seed)), float(low), float(high), tuple(per_seed), level)
+    observed, resampled = replicate_differences(a, b, statistic, replicates, rng)
+    seeds = observed.size
+    drawn_seeds = rng.integers(0, seeds, size=(replicates, seeds))
+    drawn_examples = rng.integers(0, replicates, size=(replicates, seeds))
+    spread = resampled[drawn_seeds, drawn_examples].mean(axis=1)
+    low, high = _percentiles(spread, level)
+    return Interval(
+        float(observed.mean()),
+        low,
+        high,
+        tuple(map(float, observed)),
+        level,
+        seeds_resampled=True,
+        p_value=bootstrap_p(spread),
+        t_p_value=paired_t(observed),
+    )
 
 
 def per_client_intervals(
-    a: ExampleLosses, b: ExampleLosses, replicates: int = 2000, level: float = 0.95, seed: int = 0
+    a: ExampleLosses,
+    b: ExampleLosses,
+    replicates: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+    seeds_resampled: bool = True,
 ) -> dict[int, Interval]:
-    """For every client both have: its loss under A minus under B, averaged over the seeds, with the same paired
-    bootstrap (who is helped or hurt, and whether by more than the evaluation noise)."""
+    """For every client both have: its loss under A minus under B, averaged over the seeds, with the seed-aware
+    bootstrap (or, ``seeds_resampled=False``, examples only): who is helped or hurt, and whether by more than the
+    noise."""
+    interval = seed_aware_interval if seeds_resampled else paired_interval
     clients = sorted({c for s in set(a) & set(b) for c in set(a[s]) & set(b[s])})
     out = {}
     for client in clients:
         only = {
             name: {s: {client: run[s][client]} for s in run if client in run[s]} for name, run in (("a", a), ("b", b))
         }
-        out[client] = paired_interval(only["a"], only["b"], mean_client, replicates, level, seed + client)
+        out[client] = interval(only["a"], only["b"], mean_client, replicates, level, seed + client)
     return out

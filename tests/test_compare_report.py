@@ -33,10 +33,10 @@ from bench.report import (
     negative_transfer,
     over_seeds,
     summarise,
-    verdict_tables,
     worst,
     worst_by_round,
 )
+from bench.verdicts import verdict_tables
 from strategies import load_run_config
 
 
@@ -276,11 +276,14 @@ def test_a_report_names_its_split_rule_and_one_made_under_another_rule_is_not_me
 
 
 def test_other_strategies_on_the_same_seeds_join_the_report_and_are_paired(tmp_path):
-    def report(label: str, cpu: str, shift: float, seeds=(0, 1)) -> dict:
+    def report(label: str, cpu: str, shift: float, seeds=(0, 1), packed: bool = False) -> dict:
+        settings = {"model.cpu-packed-inference": packed}  # False: fp32 evaluation on either machine, one path
         return {
             **_report(list(seeds), cpu),
             "strategies": [{"label": label, "name": label, "overrides": ""}],
-            "runs": [{"strategy": label, "seed": s, "ok": True, "wall_seconds": 1.0} for s in seeds],
+            "runs": [
+                {"strategy": label, "seed": s, "ok": True, "wall_seconds": 1.0, "settings": settings} for s in seeds
+            ],
             "rows": [r for s in seeds for r in _example_rows(label, s, [shift, shift])],
         }
 
@@ -297,12 +300,22 @@ def test_other_strategies_on_the_same_seeds_join_the_report_and_are_paired(tmp_p
     written = json.loads((tmp_path / "compare.json").read_text())
     verdicts = {(v["a"], v["b"], v["statistic"]): v for v in written["verdicts"]}
     assert verdicts["fedavg", "local", "mean client"]["estimate"] == pytest.approx(0.3)  # paired seed by seed
-    assert verdicts["fedavg", "local", "mean client"]["verdict"] == "worse"
+    # two seeds cannot show how much seeds disagree: resolved on examples only, not seed-aware
+    assert verdicts["fedavg", "local", "mean client"]["verdict_examples_only"] == "worse"
+    assert verdicts["fedavg", "local", "mean client"]["verdict"] == "not resolved"
     # the merged report takes a third seed of both strategies, and keeps who ran where
     third = {**report("local", "C", 0.0, seeds=(2,)), "strategies": written["strategies"]}
     again = with_merged(third, [merge_report(third, tmp_path / "compare.json")])
     assert again["seeds"] == [0, 1, 2]
     assert [again["machines"][k]["cpu"] for k in ("fedavg 0", "local 1", "local 2")] == ["A", "B", "C"]
+    # machine B evaluating with its packed bf16 kernel is another numeric path: never paired with A's fp32 runs
+    (fedavg_only := tmp_path / "fedavg.json").write_text(json.dumps(report("fedavg", "A", 0.3)))
+    packed = report("local", "B", 0.0, packed=True)
+    write_report(tmp_path, packed, [merge_report(packed, fedavg_only)])
+    written = json.loads((tmp_path / "compare.json").read_text())
+    assert not [v for v in written["verdicts"] if {v["a"], v["b"]} == {"fedavg", "local"}]
+    md = (tmp_path / "compare.md").read_text()
+    assert "fedavg − local seed 0: cpu, nf4, eval in fp32 against cpu, nf4, eval in bf16 (packed kernel" in md
 
 
 def test_one_label_with_other_settings_there_is_not_merged(tmp_path):

@@ -1,0 +1,215 @@
+"""The comparison's verdicts: every strategy against the references, seed-aware, with the preset's primary claims
+corrected for their number, over flat rows (one per strategy, seed, client and round; see ``bench.report``).
+
+- **Primary claims** are declared by the preset before anything runs (``Preset.primary``: a statistic, by default
+  the worst client's final loss, of every strategy that is not a reference against each reference, by default
+  local-only and FedAvg). Their verdicts are seed-aware (``bench.stats.seed_aware_interval``: seeds and held-out
+  examples resampled, with the paired t-test beside it) and Holm-corrected over the family.
+- Everything else (the mean client, per-client differences) is **exploratory**: seed-aware, not corrected.
+- The examples-only interval (seeds kept, only examples resampled) is shown beside each, labelled as such.
+- A pair is only formed on seeds where both runs took the same numeric path (``bench.numeric_path``); the seeds
+  refused are listed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bench.report import Row, client_labels, final_round, strategies_in
+
+PRIMARY_STATISTIC = "worst client"
+
+
+def example_losses(rows: Sequence[Row], strategy: str) -> dict[int, dict[int, tuple[list[float], list[int]]]]:
+    """A strategy's per-example held-out losses and token counts at its final round: seed -> client -> (losses,
+    tokens); runs without them (made before they were recorded) are left out."""
+    out: dict[int, dict[int, tuple[list[float], list[int]]]] = {}
+    mine = [r for r in rows if r["strategy"] == strategy]
+    for seed in sorted({r["seed"] for r in mine}):
+        run = [r for r in mine if r["seed"] == seed]
+        last = final_round(run)
+        clients = {
+            r["client"]: (r["eval_example_loss"], r["eval_example_tokens"])
+            for r in run
+            if r["round"] == last and r.get("eval_example_loss") and r.get("eval_example_tokens")
+        }
+        if clients:
+            out[seed] = clients
+    return out
+
+
+def final_paths(rows: Sequence[Row], strategy: str) -> dict[int, str | None]:
+    """seed -> the numeric path of the strategy's final-round rows (None where rows do not say)."""
+    mine = [r for r in rows if r["strategy"] == strategy]
+    out: dict[int, str | None] = {}
+    for seed in sorted({r["seed"] for r in mine}):
+        run = [r for r in mine if r["seed"] == seed]
+        last = final_round(run)
+        out[seed] = next((r.get("path") for r in run if r["round"] == last), None)
+    return out
+
+
+def primary_pairs(strategies: Sequence[str], references: Sequence[str]) -> list[tuple[str, str]]:
+    """The declared family: (A, reference) for every reference that ran and every strategy that is not one."""
+    refs = [r for r in references if r in strategies]
+    return [(a, r) for r in refs for a in strategies if a not in refs]
+
+
+def all_pairs(strategies: Sequence[str], references: Sequence[str]) -> list[tuple[str, str]]:
+    """Every strategy against every reference it is not, each unordered pair once."""
+    done: set[frozenset[str]] = set()
+    out = []
+    for reference in [r for r in references if r in strategies]:
+        for strategy in [s for s in strategies if s != reference]:
+            if frozenset((strategy, reference)) not in done:
+                done.add(frozenset((strategy, reference)))
+                out.append((strategy, reference))
+    return out
+
+
+def interval_record(a: str, b: str, statistic: str, seed_aware: Any, examples: Any) -> dict[str, Any]:
+    return {
+        "a": a,
+        "b": b,
+        "statistic": statistic,
+        "estimate": seed_aware.estimate,
+        "low": seed_aware.low,
+        "high": seed_aware.high,
+        "per_seed": list(seed_aware.per_seed),
+        "p": seed_aware.p_value,
+        "t_p": seed_aware.t_p_value,
+        "claim_p": seed_aware.claim_p,
+        "verdict": seed_aware.verdict,
+        "examples_low": examples.low,
+        "examples_high": examples.high,
+        "verdict_examples_only": examples.verdict,
+        "level": seed_aware.level,
+        "primary": False,
+    }
+
+
+def verdict_tables(
+    rows: Sequence[Row],
+    references: Sequence[str],
+    primary: dict[str, Any] | None = None,
+    replicates: int = 2000,
+    level: float = 0.95,
+) -> tuple[str, list[dict]]:
+    """Every strategy against every reference it is not (worst and mean client, per client), the preset's primary
+    claims (``primary``: ``{"statistic", "references"}``; default the worst client against ``references``) Holm-
+    corrected. Returns the markdown and the same as records (for compare.json)."""
+    from bench.stats import (
+        BETTER,
+        STATISTICS,
+        UNRESOLVED,
+        WORSE,
+        corrected_verdict,
+        holm,
+        paired_interval,
+        per_client_intervals,
+        seed_aware_interval,
+    )
+
+    primary = primary or {"statistic": PRIMARY_STATISTIC, "references": list(references)}
+    strategies = strategies_in(rows)
+    data = {s: example_losses(rows, s) for s in strategies}
+    paths = {s: final_paths(rows, s) for s in strategies}
+    labels = client_labels(rows)
+    family = set(primary_pairs(strategies, primary["references"]))
+    records: list[dict] = []
+    refused: list[str] = []
+    intervals: dict[tuple[str, str, str], Any] = {}
+    ordered = primary_pairs(strategies, primary["references"])
+    ordered += [p for p in all_pairs(strategies, references) if p not in family and p[::-1] not in family]
+    for a, b in ordered:
+        seeds = sorted(set(data[a]) & set(data[b]))
+        mixed = [s for s in seeds if paths[a].get(s) != paths[b].get(s)]
+        refused += [f"{a} − {b} seed {s}: {paths[a][s]} against {paths[b][s]}" for s in mixed]
+        seeds = [s for s in seeds if s not in mixed]
+        if not seeds:
+            continue
+        pa, pb = ({s: d[s] for s in seeds} for d in (data[a], data[b]))
+        for name, statistic in STATISTICS.items():
+            aware = seed_aware_interval(pa, pb, statistic, replicates, level)
+            examples = paired_interval(pa, pb, statistic, replicates, level)
+            intervals[(a, b, name)] = aware
+            records.append(interval_record(a, b, name, aware, examples))
+        clients = per_client_intervals(pa, pb, replicates, level)
+        records.append(
+            {
+                "a": a,
+                "b": b,
+                "statistic": "per client",
+                "clients": {
+                    str(c): {"estimate": i.estimate, "low": i.low, "high": i.high, "verdict": i.verdict}
+                    for c, i in clients.items()
+                },
+            }
+        )
+    claims = [r for r in records if (r["a"], r["b"]) in family and r["statistic"] == primary["statistic"]]
+    for record, adjusted in zip(claims, holm([r["claim_p"] for r in claims])):
+        interval = intervals[(record["a"], record["b"], record["statistic"])]
+        record.update(primary=True, holm_p=adjusted, verdict=corrected_verdict(interval, adjusted))
+    if not claims and not records:
+        text = "No paired verdicts: no two strategies share seeds with per-example held-out losses."
+        return text + "".join(f"\n- refused (numeric paths differ): {r}" for r in refused), records
+    pct = f"{level:.0%}"
+    head = (
+        f"| A − B | statistic | per seed | mean over seeds [{pct}, seeds and examples resampled] | p (bootstrap / t) "
+        f"| {{}}verdict | examples only [{pct}] |"
+    )
+    primary_lines = [head.format("Holm p | "), "|---|---|---|---|---|---|---|---|"]
+    explore_lines = [head.format(""), "|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["statistic"] == "per client":
+            continue
+        cells = [
+            f"{r['a']} − {r['b']}",
+            r["statistic"],
+            ", ".join(f"{d:+.3f}" for d in r["per_seed"]),
+            f"{r['estimate']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]",
+            f"{r['p']:.3g} / {'–' if r['t_p'] is None else format(r['t_p'], '.3g')}",
+            *([f"{r['holm_p']:.3g}"] if r["primary"] else []),
+            verdict_cell(r["verdict"]) + ("" if len(r["per_seed"]) >= 3 else f" ({len(r['per_seed'])} seeds)"),
+            f"[{r['examples_low']:+.3f}, {r['examples_high']:+.3f}] {r['verdict_examples_only']}",
+        ]
+        (primary_lines if r["primary"] else explore_lines).append("| " + " | ".join(cells) + " |")
+    harm = [
+        "| A − B | clients better | clients worse | not resolved | worse (client: difference [interval]) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in (r for r in records if r["statistic"] == "per client"):
+        verdicts = [c["verdict"] for c in r["clients"].values()]
+        worse = "; ".join(
+            f"{c} ({labels.get(int(c), '?')}): {i['estimate']:+.3f} [{i['low']:+.3f}, {i['high']:+.3f}]"
+            for c, i in r["clients"].items()
+            if i["verdict"] == WORSE
+        )
+        harm.append(
+            f"| {r['a']} − {r['b']} | {verdicts.count(BETTER)} | {verdicts.count(WORSE)} | "
+            f"{verdicts.count(UNRESOLVED)} | {worse or '–'} |"
+        )
+    text = [
+        f"**Primary claims** (declared by the preset: {primary['statistic']} of every strategy against "
+        f"{', '.join(primary['references'])}; Holm-corrected over these {len(claims)}, family-wise {pct}):",
+        "",
+        *(primary_lines if claims else ["none (a reference or its per-example losses are missing)"]),
+        "",
+        "**Exploratory** (seed-aware, not corrected for their number: leads, not findings):",
+        "",
+        *explore_lines,
+        "",
+        "Who is helped or hurt (per client, averaged over seeds, seed-aware; exploratory):",
+        "",
+        *harm,
+    ]
+    if refused:
+        text += ["", "Refused pairs (the two runs took different numeric paths):", "", *[f"- {r}" for r in refused]]
+    return "\n".join(text), records
+
+
+def verdict_cell(verdict: str) -> str:
+    from bench.stats import UNRESOLVED
+
+    return verdict if verdict == UNRESOLVED else f"**{verdict}**"
