@@ -298,12 +298,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run = {
                 "strategy": label,
                 "seed": seed,
-                **one_run(run_dir, configs, defaults, home, clients, rounds, args, out),
+                **one_run(run_dir, configs, defaults, home, clients, rounds, args, out, path),
             }
-            run["path"] = path
+            run["path"] = run.get("path") or path  # a reused run made before paths were recorded: this machine's
             rows = read_run(run_dir / "metrics.jsonl", label, seed) if run.get("ok") else []
-            rows = [{**r, "path": path} for r in rows]
-            if run.get("ok") and not any(r["round"] == 0 for r in rows):  # it borrowed round 0
+            rows = [{**r, "path": run["path"]} for r in rows]
+            if run.get("ok") and not any(r["round"] == 0 for r in rows):  # it borrowed round 0 (on its own path)
                 rows = [{**r, "strategy": label} for r in lenders[seed]] + rows
                 run["initial_from"] = lenders[seed][0]["strategy"]
                 run["initial_seconds"] = lenders[seed][0]["seconds"]

@@ -186,9 +186,11 @@ def one_run(
     rounds: int,
     args: argparse.Namespace,
     out: Path,
+    path: str | None = None,
 ) -> dict[str, Any]:
     """Reuse the first of ``configs`` that ``run_dir`` already holds complete, else run the last one; the run's
-    record (config, resolved settings, wall seconds, ok, error, reused)."""
+    record (config, resolved settings, wall seconds, ok, error, reused, and the numeric ``path`` it ran on: a reused
+    run keeps the one it recorded)."""
     from deploy.local_sim import flwr_run
 
     for config in configs:
@@ -198,7 +200,7 @@ def one_run(
             return {"run_dir": str(run_dir), **json.loads(marker.read_text()), "reused": True}
     if aside := set_aside(run_dir):
         print(f"[compare] {run_dir} ran with other settings: kept as {aside.name}", flush=True)
-    run: dict[str, Any] = {"run_dir": str(run_dir), "run_config": config, "settings": settings}
+    run: dict[str, Any] = {"run_dir": str(run_dir), "run_config": config, "settings": settings, "path": path}
     started = time.perf_counter()
     proc = flwr_run(home, config, num_clients=clients, timeout=args.timeout, client_cpus=args.client_cpus)
     run["wall_seconds"] = time.perf_counter() - started
@@ -206,7 +208,7 @@ def one_run(
     run["ok"] = proc.returncode == 0 and why is None
     run["error"] = None if run["ok"] else f"exit {proc.returncode}: {why}; log tail: {proc.stdout[-600:]}"
     if run["ok"]:
-        record = {k: run[k] for k in ("run_config", "wall_seconds", "ok", "error")}
+        record = {k: run[k] for k in ("run_config", "wall_seconds", "ok", "error", "path")}
         marker.write_text(json.dumps({**record, "settings": settings}))
     (out / "logs").mkdir(exist_ok=True)
     (out / "logs" / f"{run_dir.parent.name}-{run_dir.name}.log").write_text(proc.stdout + proc.stderr)

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.verdicts import target_status
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- bench\.tables (?P<kind>[a-z-]+) (?P<report>\S+) -->$")
 END = "<!-- /bench.tables -->"
@@ -63,8 +65,11 @@ def primary_table(report: dict[str, Any], link: str) -> str:
     """Worst client of every pair (primary claims with their Holm p; the rest exploratory), the mean client and
     the per-client counts beside it."""
     by_pair = records_by_pair(report.get("verdicts", []))
+    references = report.get("primary", {}).get("references", ["local", "fedavg"])
     lines = [
         heading(report, link),
+        "",
+        target_status(report.get("verdicts", []), references),
         "",
         "| A − B | worst client, per seed | worst client [95 %, seed-aware] | p (bootstrap / t) | Holm p | verdict "
         "| mean client [95 %] (exploratory) | clients better / worse |",
@@ -121,8 +126,11 @@ def before_after_table(report: dict[str, Any], link: str) -> str:
             + " | ".join(now_cells)
             + f" | {'yes' if survives else '**no**'} |"
         )
-    lines.append("")
-    lines.append(f"{kept} of {len(before)} verdicts resolved then still stand.")
+    references = report.get("primary", {}).get("references", ["local", "fedavg"])
+    lines += [
+        "",
+        f"{kept} of {len(before)} verdicts resolved then still stand. Now: {target_status(now.values(), references)}",
+    ]
     return "\n".join(lines)
 
 

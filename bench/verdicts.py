@@ -191,6 +191,8 @@ def verdict_tables(
             f"{verdicts.count(UNRESOLVED)} | {worse or '–'} |"
         )
     text = [
+        target_status(records, primary["references"]),
+        "",
         f"**Primary claims** (declared by the preset: {primary['statistic']} of every strategy against "
         f"{', '.join(primary['references'])}; Holm-corrected over these {len(claims)}, family-wise {pct}):",
         "",
@@ -207,6 +209,35 @@ def verdict_tables(
     if refused:
         text += ["", "Refused pairs (the two runs took different numeric paths):", "", *[f"- {r}" for r in refused]]
     return "\n".join(text), records
+
+
+def target_status(records: Sequence[dict[str, Any]], references: Sequence[str] = ("local", "fedavg")) -> str:
+    """The evidence target, read off the verdict records: a strategy whose worst client is better than every
+    reference's (its primary, corrected verdicts) with no client worse than under the first reference (local-only;
+    per client, seed-aware). One sentence: who meets it, or why each candidate does not."""
+    by_pair = {(r["a"], r["b"], r["statistic"]): r for r in records}
+    candidates = [a for a in dict.fromkeys(r["a"] for r in records) if a not in references]
+    met, why = [], []
+    for a in candidates:
+        missing = []
+        for ref in references:
+            worst = by_pair.get((a, ref, "worst client"))
+            if worst is None:
+                missing.append(f"no pair with {ref}")
+            elif worst["verdict"] != "better":
+                adjusted = f", Holm p {worst['holm_p']:.2g}" if worst.get("holm_p") is not None else ""
+                seeds = len(worst["per_seed"])
+                adjusted += f", {seeds} seed{'s' if seeds > 1 else ''}" if seeds < 3 else ""
+                missing.append(f"worst client − {ref} {worst['verdict']}{adjusted}")
+        clients = by_pair.get((a, references[0], "per client"), {}).get("clients", {})
+        hurt = [c for c, v in clients.items() if v["verdict"] == "worse"]
+        if hurt:
+            missing.append(f"client{'s' if len(hurt) > 1 else ''} {', '.join(hurt)} worse than {references[0]}")
+        (why.append(f"{a}: {'; '.join(missing)}") if missing else met.append(a))
+    if met:
+        refs = " and ".join(references)
+        return f"Target met by {', '.join(met)} (worst client better than {refs}, corrected; no client worse)."
+    return "Target not met" + (f" ({'; '.join(why)})." if why else ": no strategy to judge.")
 
 
 def verdict_cell(verdict: str) -> str:

@@ -132,6 +132,19 @@ def test_every_preset_is_a_valid_run_config(name):
         preset("tasks-everything")
 
 
+def test_the_partnerless_preset_has_two_task_pairs_and_two_clients_alone():
+    from common.data.bank import client_splits, load_task_bank
+
+    chosen = preset("few-shot-partnerless")
+    cfg = load_run_config({**chosen.overrides, "strategy": "local", "num-server-rounds": chosen.rounds})
+    bank = load_task_bank(cfg.data)
+    tasks = [{e.task for e in client_splits(bank, c, chosen.clients, cfg.data)["train"]} for c in range(6)]
+    assert all(len(t) == 1 for t in tasks)
+    sharers = {c: [o for o in range(6) if tasks[o] == tasks[c]] for c in range(6)}
+    assert sharers == {0: [0, 4], 1: [1, 5], 2: [2], 3: [3], 4: [0, 4], 5: [1, 5]}
+    assert tasks[2] | tasks[3] == {"xsum", "commonsenseqa"}
+
+
 def test_a_run_without_every_clients_loss_is_not_comparable(tmp_path):
     path = tmp_path / "metrics.jsonl"
     good = [{"round": r, "node": n, "eval_loss": 1.0} for r in (0, 1) for n in (1, 2)]
@@ -432,6 +445,9 @@ def test_verdicts_pair_each_strategy_with_the_references_and_name_who_is_hurt(tm
     assert ("fedavg", "local", "worst client") in verdict and ("local", "fedavg", "worst client") not in verdict
     assert ("local", "local", "worst client") not in verdict  # each pair once, never a strategy with itself
     assert "| better − local | 3 | 1 | 0 | 3 (xsum, smollm2): +0.400" in text
+    # the evidence target, read off the same records: "better" helps the mean client but its worst is hurt
+    assert text.startswith("Target not met (better: worst client − local worse, Holm p ")
+    assert "client 3 worse than local" in text.splitlines()[0]
     report = {
         **_report([0, 1, 2], "A"),
         "references": ["local", "fedavg"],

@@ -39,6 +39,7 @@ def site(tmp_path):
         "rounds": 4,
         "seeds": [0, 1, 2],
         "split": "content-hash v1",
+        "primary": {"statistic": "worst client", "references": ["local"]},
         "runs": [{"strategy": s, "seed": 0, "ok": True, "path": "cpu, nf4, eval in fp32"} for s in ("a", "local")],
         "verdicts": [
             _record("fedavg", "local", "worst client", 0.08, "worse"),
@@ -76,6 +77,7 @@ def test_a_table_edited_by_hand_is_caught_and_rewritten_from_its_report(site):
                           "| **better** | -0.040 [-0.050, -0.030] **better** | 1 / 0 |")  # fmt: skip
     exploratory = next(i for i, line in enumerate(lines) if line.startswith("| fedavg − local |"))
     assert primary < exploratory and "– (exploratory)" in lines[exploratory]  # the declared claims first
+    assert "Target met by dual (worst client better than local, corrected; no client worse)." in text
     assert "[report](docs/results/r/compare.md)" in text and "numeric path: cpu, nf4, eval in fp32" in text
 
 
@@ -87,7 +89,7 @@ def test_before_after_says_which_verdicts_still_stand(site):
     assert (
         "| x − local | worst client |" in text and "no pair (numeric paths differ on every seed) | – | **no** |" in text
     )
-    assert "1 of 3 verdicts resolved then still stand." in text
+    assert "1 of 3 verdicts resolved then still stand. Now: Target met by dual" in text
 
 
 def test_the_check_command_fails_on_a_stale_table(monkeypatch, site, capsys):
