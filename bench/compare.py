@@ -34,7 +34,7 @@ from bench.compare_runs import (
     resolved_settings,
     run_config,
 )
-from bench.numeric_path import numeric_path, with_paths
+from bench.numeric_path import lendable, numeric_path, with_paths
 from bench.presets import PRESETS, preset, toml_value
 from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise, worst_by_round
 from bench.verdicts import verdict_tables
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label) / f"seed-{seed}"
             configs = [run_config(chosen, rounds, seed, name, extra, args.run_config, run_dir)]
             path = numeric_path({"settings": resolved_settings(configs[0])}, report["machine"])
-            if seed in lenders and lenders[seed][0].get("path") != path:
+            if seed in lenders and not lendable(lenders[seed], path):
                 print(
                     f"[compare] seed {seed}: round 0 of {lenders[seed][0]['strategy']} ran on another numeric path "
                     f"({lenders[seed][0].get('path')}; here: {path}): not borrowed, measured again",

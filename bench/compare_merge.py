@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare_runs import parse_overrides, same_settings
-from bench.numeric_path import with_paths
+from bench.numeric_path import run_machines, with_paths
 
 MERGE_KEYS = ("preset", "clients", "rounds", "common_config", "baseline", "split")
 # what a report made before ``common.data.split`` (no "split" key) used: the seed shuffled the test split too
@@ -49,14 +49,6 @@ def machine() -> dict[str, Any]:
 def machine_name(m: dict[str, Any]) -> str:
     """One line for a ``machine()`` record: what a timing table names as its machine."""
     return f"{m['cpu']}, {m['cores']} cores, AVX512-BF16 {m['avx512_bf16']}, CUDA {m['cuda']}"
-
-
-def run_machines(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The machine of every run of a report, keyed ``"label seed"`` (a merged report keeps its own map; an older
-    one keyed by seed alone, or none, means that machine for every strategy)."""
-    machines = report.get("machines", {})
-    keys = {f"{r['strategy']} {r['seed']}": str(r["seed"]) for r in report["runs"]}
-    return {key: machines.get(key, machines.get(seed, report["machine"])) for key, seed in keys.items()}
 
 
 def same_value(key: str, earlier: Any, here: Any) -> bool:

@@ -9,7 +9,9 @@ On the real SmolLM2-135M in NF4 (fp32 compute on the CPU) with LoRA r=4 on q/v/o
    Where the CPU lacks AVX512-BF16 the packed kernel is emulated in torch (``emulated_packed_kernel``), which
    reproduces the layout switch, not the speed.
 2. Speed, only with the real kernel: a no-grad forward of 8 x 160 tokens and greedy generation of 16 tokens for
-   8 prompts, packed vs unpacked, the one-off packing cost and the memory of the packed copies.
+   8 prompts, packed (bf16 kernel) vs unpacked (``cpu_packed_inference=False``: since 2026-11-28 the fp32
+   dequantised copy, as on CPUs without the kernel; before, bitsandbytes' own 4-bit gemm), the one-off packing
+   cost and the memory of the packed copies.
 Writes ``bench/results/cpu_4bit.json`` and prints it.
 """
 

@@ -38,10 +38,16 @@ def numeric_path(run: dict[str, Any], machine: dict[str, Any]) -> str:
     return CPU_PACKED_BF16 if packed else CPU_FP32
 
 
+def run_machines(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The machine of every run of a report, keyed ``"label seed"`` (a merged report keeps its own map; an older
+    one keyed by seed alone, or none, means that machine for every strategy)."""
+    machines = report.get("machines", {})
+    keys = {f"{r['strategy']} {r['seed']}": str(r["seed"]) for r in report["runs"]}
+    return {key: machines.get(key, machines.get(seed, report["machine"])) for key, seed in keys.items()}
+
+
 def run_paths(report: dict[str, Any]) -> dict[tuple[str, int], str]:
     """Every run's path, keyed (label, seed): as recorded, else from the run's machine and settings."""
-    from bench.compare_merge import run_machines
-
     machines = run_machines(report)
     return {
         (r["strategy"], r["seed"]): r.get("path") or numeric_path(r, machines[f"{r['strategy']} {r['seed']}"])
@@ -60,3 +66,9 @@ def with_paths(report: dict[str, Any]) -> dict[str, Any]:
 
     runs = [{**r, "path": paths[(r["strategy"], r["seed"])]} for r in report["runs"]]
     return {**report, "runs": runs, "rows": [{**row, "path": row_path(row)} for row in report["rows"]]}
+
+
+def lendable(round_zero: list[dict[str, Any]], path: str) -> bool:
+    """Whether round 0's rows (a seed's base-model evaluation) may stand in for a run on ``path``: only when they
+    were measured on the same path."""
+    return bool(round_zero) and all(row.get("path") == path for row in round_zero)
