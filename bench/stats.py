@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -117,7 +118,7 @@ def corrected_verdict(interval: Interval, adjusted_p: float) -> str:
     return interval.verdict if adjusted_p < 1 - interval.level else UNRESOLVED
 
 
-def paired_t(per_seed: Sequence[float]) -> float | None:
+def paired_t(per_seed: Sequence[float] | np.ndarray) -> float | None:
     """The two-sided p-value of a paired t-test that the per-seed differences average 0 (None: fewer than two seeds,
     or all equal)."""
     from scipy.stats import ttest_1samp
@@ -193,41 +194,29 @@ def _percentiles(values: np.ndarray, level: float) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def paired_interval(
+def bootstrap_interval(
     a: ExampleLosses,
     b: ExampleLosses,
     statistic: Statistic,
     replicates: int = 2000,
     level: float = 0.95,
     seed: int = 0,
+    seeds_resampled: bool = True,
 ) -> Interval:
-    """EXAMPLES ONLY: the paired difference statistic(A) - statistic(B), averaged over the seeds both have, with a
-    percentile bootstrap interval that keeps the seeds and resamples held-out examples within each client and seed
-    (the same resample for both). It leaves seed-to-seed variation out: see ``seed_aware_interval``."""
-    observed, resampled = replicate_differences(a, b, statistic, replicates, np.random.default_rng(seed))
-    spread = resampled.mean(axis=0)
-    low, high = _percentiles(spread, level)
-    return Interval(float(observed.mean()), low, high, tuple(map(float, observed)), level, p_value=bootstrap_p(spread))
-
-
-def seed_aware_interval(
-    a: ExampleLosses,
-    b: ExampleLosses,
-    statistic: Statistic,
-    replicates: int = 2000,
-    level: float = 0.95,
-    seed: int = 0,
-) -> Interval:
-    """The paired difference statistic(A) - statistic(B), averaged over the seeds both have, with a hierarchical
-    bootstrap interval: each replicate draws as many seeds as there are, with replacement, and for each draw an
-    independent paired resample of every client's held-out examples. Carries the bootstrap p-value and the paired
-    t-test's over the per-seed differences."""
+    """The paired difference statistic(A) - statistic(B), averaged over the seeds both have, with a percentile
+    bootstrap interval. ``seeds_resampled``: hierarchical (each replicate draws as many seeds as there are, with
+    replacement, and for each draw an independent paired resample of every client's held-out examples), with the
+    paired t-test's p-value over the per-seed differences beside the bootstrap's. Else EXAMPLES ONLY: the seeds are
+    kept and only held-out examples resampled (the same resample for A and B), which leaves seed-to-seed variation
+    out."""
     rng = np.random.default_rng(seed)
     observed, resampled = replicate_differences(a, b, statistic, replicates, rng)
-    seeds = observed.size
-    drawn_seeds = rng.integers(0, seeds, size=(replicates, seeds))
-    drawn_examples = rng.integers(0, replicates, size=(replicates, seeds))
-    spread = resampled[drawn_seeds, drawn_examples].mean(axis=1)
+    if seeds_resampled:
+        drawn_seeds = rng.integers(0, observed.size, size=(replicates, observed.size))
+        drawn_examples = rng.integers(0, replicates, size=(replicates, observed.size))
+        spread = resampled[drawn_seeds, drawn_examples].mean(axis=1)
+    else:
+        spread = resampled.mean(axis=0)
     low, high = _percentiles(spread, level)
     return Interval(
         float(observed.mean()),
@@ -235,10 +224,15 @@ def seed_aware_interval(
         high,
         tuple(map(float, observed)),
         level,
-        seeds_resampled=True,
+        seeds_resampled=seeds_resampled,
         p_value=bootstrap_p(spread),
-        t_p_value=paired_t(observed),
+        t_p_value=paired_t(observed) if seeds_resampled else None,
     )
+
+
+# What verdicts are made on, and the examples-only interval shown beside it (see the module docstring).
+seed_aware_interval = partial(bootstrap_interval, seeds_resampled=True)
+paired_interval = partial(bootstrap_interval, seeds_resampled=False)
 
 
 def per_client_intervals(
@@ -252,12 +246,13 @@ def per_client_intervals(
     """For every client both have: its loss under A minus under B, averaged over the seeds, with the seed-aware
     bootstrap (or, ``seeds_resampled=False``, examples only): who is helped or hurt, and whether by more than the
     noise."""
-    interval = seed_aware_interval if seeds_resampled else paired_interval
     clients = sorted({c for s in set(a) & set(b) for c in set(a[s]) & set(b[s])})
     out = {}
     for client in clients:
         only = {
             name: {s: {client: run[s][client]} for s in run if client in run[s]} for name, run in (("a", a), ("b", b))
         }
-        out[client] = interval(only["a"], only["b"], mean_client, replicates, level, seed + client)
+        out[client] = bootstrap_interval(
+            only["a"], only["b"], mean_client, replicates, level, seed + client, seeds_resampled
+        )
     return out

@@ -13,7 +13,7 @@ corrected for their number, over flat rows (one per strategy, seed, client and r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bench.report import Row, client_labels, final_round, strategies_in
@@ -190,7 +190,7 @@ def verdict_tables(
             f"| {r['a']} − {r['b']} | {verdicts.count(BETTER)} | {verdicts.count(WORSE)} | "
             f"{verdicts.count(UNRESOLVED)} | {worse or '–'} |"
         )
-    text = [
+    parts = [
         target_status(records, primary["references"]),
         "",
         f"**Primary claims** (declared by the preset: {primary['statistic']} of every strategy against "
@@ -207,14 +207,15 @@ def verdict_tables(
         *harm,
     ]
     if refused:
-        text += ["", "Refused pairs (the two runs took different numeric paths):", "", *[f"- {r}" for r in refused]]
-    return "\n".join(text), records
+        parts += ["", "Refused pairs (the two runs took different numeric paths):", "", *[f"- {r}" for r in refused]]
+    return "\n".join(parts), records
 
 
-def target_status(records: Sequence[dict[str, Any]], references: Sequence[str] = ("local", "fedavg")) -> str:
+def target_status(records: Iterable[dict[str, Any]], references: Sequence[str] = ("local", "fedavg")) -> str:
     """The evidence target, read off the verdict records: a strategy whose worst client is better than every
     reference's (its primary, corrected verdicts) with no client worse than under the first reference (local-only;
     per client, seed-aware). One sentence: who meets it, or why each candidate does not."""
+    records = list(records)
     by_pair = {(r["a"], r["b"], r["statistic"]): r for r in records}
     candidates = [a for a in dict.fromkeys(r["a"] for r in records) if a not in references]
     met, why = [], []
