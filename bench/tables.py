@@ -44,7 +44,8 @@ def interval(record: dict[str, Any], low: str = "low", high: str = "high") -> st
 def verdict_text(record: dict[str, Any]) -> str:
     verdict = record["verdict"]
     shown = verdict if verdict == "not resolved" else f"**{verdict}**"
-    return shown + ("" if len(record.get("per_seed", ())) >= 3 else f" ({len(record['per_seed'])} seeds)")
+    seeds = len(record.get("per_seed", ()))
+    return shown + ("" if seeds >= 3 else f" ({seeds} seed{'s' if seeds > 1 else ''})")
 
 
 def records_by_pair(verdicts: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
@@ -54,9 +55,10 @@ def records_by_pair(verdicts: list[dict[str, Any]]) -> dict[tuple[str, str, str]
 def heading(report: dict[str, Any], link: str) -> str:
     paths = sorted({r.get("path") or "not recorded" for r in report["runs"] if r.get("ok", True)})
     split = report.get("split", "by seed (made before the split by content)")
+    seeds = sorted({r["seed"] for r in report["runs"] if r.get("ok", True)})
     return (
-        f"`{report['preset']}`: {report['clients']} clients, {report['rounds']} rounds, seeds "
-        f"{', '.join(map(str, report['seeds']))}; numeric path: {'; '.join(paths)}; split: {split}; "
+        f"`{report['preset']}`: {report['clients']} clients, {report['rounds']} rounds; seeds run: "
+        f"{', '.join(map(str, seeds))}; numeric path: {'; '.join(paths)}; split: {split}; "
         f"[report]({link})."
     )
 

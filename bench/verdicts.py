@@ -171,7 +171,7 @@ def verdict_tables(
             f"{r['estimate']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]",
             f"{r['p']:.3g} / {'–' if r['t_p'] is None else format(r['t_p'], '.3g')}",
             *([f"{r['holm_p']:.3g}"] if r["primary"] else []),
-            verdict_cell(r["verdict"]) + ("" if len(r["per_seed"]) >= 3 else f" ({len(r['per_seed'])} seeds)"),
+            verdict_cell(r["verdict"]) + ("" if len(r["per_seed"]) >= 3 else f" ({len(r['per_seed'])} seed(s))"),
             f"[{r['examples_low']:+.3f}, {r['examples_high']:+.3f}] {r['verdict_examples_only']}",
         ]
         (primary_lines if r["primary"] else explore_lines).append("| " + " | ".join(cells) + " |")
