@@ -101,6 +101,7 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
         f"Budget: {report['clients']} clients, {report['rounds']} rounds; seeds {report['seeds']}. Run config: "
         f"`{report['common_config']}`.",
         machine_line(report),
+        f"Numeric path: {'; '.join(sorted({str(r.get('path')) for r in report['runs']}))} (pairs only on one).",
         f"Split: {split_rule(report)}.",
         "",
         *(
@@ -324,7 +325,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def rerender(out: Path) -> dict[str, Any]:
     """Rewrite a stored report's verdicts and compare.md from its compare.json (runs, rows, machines) alone."""
     report = json.loads((out / "compare.json").read_text())
-    report.setdefault("verdicts_before", report.get("verdicts", []))
+    old_style = [v for v in report.get("verdicts", []) if v["statistic"] != "per client" and "claim_p" not in v]
+    if old_style and "verdicts_before" not in report:  # made before the seed-aware verdicts: keep what it said
+        report["verdicts_before"] = report["verdicts"]
     if "primary" not in report and report["preset"] in PRESETS:  # made before presets declared their claims
         report["primary"] = PRESETS[report["preset"]].primary
     print(write_report(out, report), flush=True)

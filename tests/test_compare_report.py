@@ -495,3 +495,31 @@ def test_a_new_run_borrows_round_zero_from_a_merged_report_of_its_seed():
     assert [(r["strategy"], r["client"]) for r in lenders[0]] == [("local", 0), ("local", 1)]  # round 0 only
     assert [r["strategy"] for r in lenders[1]] == ["fedavg"]  # one strategy's rows, not every strategy's
     assert round_zero_rows([]) == {}
+
+
+def test_rerender_recomputes_a_stored_reports_verdicts_and_keeps_what_it_said_once(tmp_path):
+    from bench.compare import rerender
+
+    rows = [r for seed in (0, 1, 2) for s, shift in (("local", 0.0), ("fedavg", 0.2)) for r in
+            _example_rows(s, seed, [shift] * 4)]  # fmt: skip
+    old = [{"a": "fedavg", "b": "local", "statistic": "worst client", "estimate": 0.2, "low": 0.1, "high": 0.3,
+            "per_seed": [0.2] * 3, "verdict": "worse"}]  # fmt: skip
+    report = {
+        **_report([0, 1, 2], "A"),
+        "references": ["local", "fedavg"],
+        "strategies": [{"label": s} for s in ("local", "fedavg")],
+        "runs": [
+            {"strategy": s, "seed": seed, "ok": True, "wall_seconds": 1.0}
+            for s in ("local", "fedavg")
+            for seed in (0, 1, 2)
+        ],
+        "rows": rows,
+        "verdicts": old,
+    }
+    (tmp_path / "compare.json").write_text(json.dumps(report))
+    rerender(tmp_path)
+    again = rerender(tmp_path)  # a second rerender keeps the first verdicts, not its own
+    assert again["verdicts_before"] == old
+    new = {(v["a"], v["b"], v["statistic"]): v for v in again["verdicts"]}
+    assert new[("fedavg", "local", "worst client")]["claim_p"] is not None
+    assert "Numeric path: cpu, nf4, eval in fp32" in (tmp_path / "compare.md").read_text()
