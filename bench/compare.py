@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows = [{**r, "strategy": label} for r in lenders[seed]] + rows
                 run["initial_from"] = lenders[seed][0]["strategy"]
                 run["initial_seconds"] = lenders[seed][0]["seconds"]
-            elif seed not in lenders and any(r["round"] == 0 for r in rows):
+            elif seed not in lenders and borrows_round_zero(extra) and any(r["round"] == 0 for r in rows):
+                # only a run whose overrides leave round 0 as every run of the seed has it may lend it
                 lenders[seed] = [r for r in rows if r["round"] == 0]
             report["rows"] += rows
             report["runs"].append(run)

@@ -83,6 +83,8 @@ class Interval:
         """The p-value a claim is judged and corrected on: a seed-aware interval's larger of the bootstrap's and
         the paired t-test's (the bootstrap over a handful of seeds alone is too sure: it draws from the seeds seen),
         an examples-only interval's bootstrap p-value."""
+        if self.seeds_resampled and (len(self.per_seed) < MIN_SEEDS or self.t_p_value is None):
+            return 1.0  # a claim that cannot stand must not lower the others' Holm multipliers
         p = 1.0 if self.p_value is None else self.p_value
         return max(p, self.t_p_value) if self.seeds_resampled and self.t_p_value is not None else p
 
@@ -102,7 +104,7 @@ class Interval:
 
 def holm(p_values: Sequence[float]) -> list[float]:
     """Holm's step-down adjusted p-values, in the order given: the i-th smallest of m is multiplied by m - i + 1
-    (i from 0), made non-decreasing in that order and capped at 1. A claim stands at family-wise level alpha where its
+    (i from 1), made non-decreasing in that order and capped at 1. A claim stands at family-wise level alpha where its
     adjusted p-value is below alpha."""
     m = len(p_values)
     adjusted = [1.0] * m
@@ -119,13 +121,15 @@ def corrected_verdict(interval: Interval, adjusted_p: float) -> str:
 
 
 def paired_t(per_seed: Sequence[float] | np.ndarray) -> float | None:
-    """The two-sided p-value of a paired t-test that the per-seed differences average 0 (None: fewer than two seeds,
-    or all equal)."""
+    """The two-sided p-value of a paired t-test that the per-seed differences average 0 (None: fewer than two
+    seeds)."""
     from scipy.stats import ttest_1samp
 
     values = np.asarray(per_seed, dtype=np.float64)
-    if values.size < 2 or np.ptp(values) == 0:
+    if values.size < 2:
         return None
+    if np.ptp(values) == 0:  # seeds in perfect agreement: t is infinite (p 0), or 0/0 where they all found 0
+        return 1.0 if values[0] == 0 else 0.0
     return float(ttest_1samp(values, 0.0).pvalue)
 
 

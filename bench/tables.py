@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.stats import MIN_SEEDS
 from bench.verdicts import target_status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,13 @@ def verdict_text(record: dict[str, Any]) -> str:
     verdict = record["verdict"]
     shown = verdict if verdict == "not resolved" else f"**{verdict}**"
     seeds = len(record.get("per_seed", ()))
-    return shown + ("" if seeds >= 3 else f" ({seeds} seed{'s' if seeds > 1 else ''})")
+    return shown + ("" if seeds >= MIN_SEEDS else f" ({seeds} seed{'s' if seeds > 1 else ''})")
+
+
+def primary_references(report: dict[str, Any]) -> list[str]:
+    """The references a report's claims were made against: its declared primary, else (older reports) its
+    ``references``, as ``bench.verdicts.verdict_tables`` reads them."""
+    return (report.get("primary") or {}).get("references") or report.get("references") or ["local", "fedavg"]
 
 
 def records_by_pair(verdicts: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
@@ -67,7 +74,7 @@ def primary_table(report: dict[str, Any], link: str) -> str:
     """Worst client of every pair (primary claims with their Holm p; the rest exploratory), the mean client and
     the per-client counts beside it."""
     by_pair = records_by_pair(report.get("verdicts", []))
-    references = report.get("primary", {}).get("references", ["local", "fedavg"])
+    references = primary_references(report)
     lines = [
         heading(report, link),
         "",
@@ -128,7 +135,7 @@ def before_after_table(report: dict[str, Any], link: str) -> str:
             + " | ".join(now_cells)
             + f" | {'yes' if survives else '**no**'} |"
         )
-    references = report.get("primary", {}).get("references", ["local", "fedavg"])
+    references = primary_references(report)
     lines += [
         "",
         f"{kept} of {len(before)} verdicts resolved then still stand. Now: {target_status(now.values(), references)}",

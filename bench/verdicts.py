@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bench.report import Row, client_labels, final_round, strategies_in
+from bench.stats import MIN_SEEDS
 
 PRIMARY_STATISTIC = "worst client"
 
@@ -130,12 +131,21 @@ def verdict_tables(
         if not seeds:
             continue
         pa, pb = ({s: d[s] for s in seeds} for d in (data[a], data[b]))
-        for name, statistic in STATISTICS.items():
-            aware = seed_aware_interval(pa, pb, statistic, replicates, level)
-            examples = paired_interval(pa, pb, statistic, replicates, level)
+        try:
+            computed = {
+                name: (
+                    seed_aware_interval(pa, pb, statistic, replicates, level),
+                    paired_interval(pa, pb, statistic, replicates, level),
+                )
+                for name, statistic in STATISTICS.items()
+            }
+            clients = per_client_intervals(pa, pb, replicates, level)
+        except ValueError as err:  # e.g. the two runs evaluated different held-out examples: no pair, not a crash
+            refused.append(f"{a} − {b}: {err}")
+            continue
+        for name, (aware, examples) in computed.items():
             intervals[(a, b, name)] = aware
             records.append(interval_record(a, b, name, aware, examples))
-        clients = per_client_intervals(pa, pb, replicates, level)
         records.append(
             {
                 "a": a,
@@ -148,7 +158,9 @@ def verdict_tables(
             }
         )
     claims = [r for r in records if (r["a"], r["b"]) in family and r["statistic"] == primary["statistic"]]
-    for record, adjusted in zip(claims, holm([r["claim_p"] for r in claims])):
+    # a declared claim with no pair (refused on every seed) stays in the family, as a p-value of 1
+    declared = [r["claim_p"] for r in claims] + [1.0] * (len(family) - len(claims))
+    for record, adjusted in zip(claims, holm(declared)):
         interval = intervals[(record["a"], record["b"], record["statistic"])]
         record.update(primary=True, holm_p=adjusted, verdict=corrected_verdict(interval, adjusted))
     if not claims and not records:
@@ -171,7 +183,8 @@ def verdict_tables(
             f"{r['estimate']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]",
             f"{r['p']:.3g} / {'–' if r['t_p'] is None else format(r['t_p'], '.3g')}",
             *([f"{r['holm_p']:.3g}"] if r["primary"] else []),
-            verdict_cell(r["verdict"]) + ("" if len(r["per_seed"]) >= 3 else f" ({len(r['per_seed'])} seed(s))"),
+            verdict_cell(r["verdict"])
+            + ("" if len(r["per_seed"]) >= MIN_SEEDS else f" ({len(r['per_seed'])} seed(s))"),
             f"[{r['examples_low']:+.3f}, {r['examples_high']:+.3f}] {r['verdict_examples_only']}",
         ]
         (primary_lines if r["primary"] else explore_lines).append("| " + " | ".join(cells) + " |")
@@ -194,7 +207,7 @@ def verdict_tables(
         target_status(records, primary["references"]),
         "",
         f"**Primary claims** (declared by the preset: {primary['statistic']} of every strategy against "
-        f"{', '.join(primary['references'])}; Holm-corrected over these {len(claims)}, family-wise {pct}):",
+        f"{', '.join(primary['references'])}; Holm-corrected over these {len(family)}, family-wise {pct}):",
         "",
         *(primary_lines if claims else ["none (a reference or its per-example losses are missing)"]),
         "",
@@ -215,6 +228,8 @@ def target_status(records: Iterable[dict[str, Any]], references: Sequence[str] =
     """The evidence target, read off the verdict records: a strategy whose worst client is better than every
     reference's (its primary, corrected verdicts) with no client worse than under the first reference (local-only;
     per client, seed-aware). One sentence: who meets it, or why each candidate does not."""
+    if not references:
+        return "Target not judged: no reference strategy."
     records = list(records)
     by_pair = {(r["a"], r["b"], r["statistic"]): r for r in records}
     candidates = [a for a in dict.fromkeys(r["a"] for r in records) if a not in references]
@@ -228,7 +243,7 @@ def target_status(records: Iterable[dict[str, Any]], references: Sequence[str] =
             elif worst["verdict"] != "better":
                 adjusted = f", Holm p {worst['holm_p']:.2g}" if worst.get("holm_p") is not None else ""
                 seeds = len(worst["per_seed"])
-                adjusted += f", {seeds} seed{'s' if seeds > 1 else ''}" if seeds < 3 else ""
+                adjusted += f", {seeds} seed{'s' if seeds > 1 else ''}" if seeds < MIN_SEEDS else ""
                 missing.append(f"worst client − {ref} {worst['verdict']}{adjusted}")
         clients = by_pair.get((a, references[0], "per client"), {}).get("clients", {})
         hurt = [c for c, v in clients.items() if v["verdict"] == "worse"]

@@ -523,3 +523,24 @@ def test_rerender_recomputes_a_stored_reports_verdicts_and_keeps_what_it_said_on
     new = {(v["a"], v["b"], v["statistic"]): v for v in again["verdicts"]}
     assert new[("fedavg", "local", "worst client")]["claim_p"] is not None
     assert "Numeric path: cpu, nf4, eval in fp32" in (tmp_path / "compare.md").read_text()
+
+
+def test_a_pair_that_cannot_be_formed_is_refused_not_a_crash_and_its_claim_stays_in_the_family():
+    rows = []
+    for seed in (0, 1, 2):
+        rows += _example_rows("local", seed, [0.0] * 4)
+        rows += _example_rows("fedavg", seed, [0.3] * 4)
+        rows += _example_rows("fewer", seed, [-0.3] * 4)
+        rows += _example_rows("good", seed, [-0.3, -0.3, -0.3, -0.3])
+    for row in rows:  # "fewer" evaluated 32 held-out examples, not the 64 the others did
+        if row["strategy"] == "fewer":
+            row["eval_example_loss"], row["eval_example_tokens"] = (
+                row["eval_example_loss"][:32],
+                row["eval_example_tokens"][:32],
+            )
+    text, records = verdict_tables(rows, ["local", "fedavg"], replicates=300)
+    assert not [r for r in records if "fewer" in (r["a"], r["b"])]
+    assert "fewer − local: seed 0, client 0: the two runs evaluated different held-out examples" in text
+    claims = [r for r in records if r.get("primary")]
+    assert {(r["a"], r["b"]) for r in claims} == {("good", "local"), ("good", "fedavg")}
+    assert "Holm-corrected over these 4" in text  # fewer's two declared claims count, as p = 1

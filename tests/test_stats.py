@@ -168,10 +168,13 @@ def test_holm_adjusts_in_the_given_order_and_a_correction_can_only_unresolve():
     assert corrected_verdict(interval, 0.01) == BETTER and corrected_verdict(interval, 0.2) == UNRESOLVED
     unresolved = seed_aware_interval(a, a, mean_client, replicates=100)
     assert corrected_verdict(unresolved, 0.0) == UNRESOLVED
+    # a claim that cannot stand (fewer than MIN_SEEDS seeds) enters Holm as p = 1, never lowering the others'
+    two_seeds = seed_aware_interval({s: a[s] for s in (0, 1)}, {s: b[s] for s in (0, 1)}, mean_client, 200)
+    assert two_seeds.claim_p == 1.0 and two_seeds.p_value is not None and two_seeds.p_value < 0.01
 
 
 def test_paired_t_and_bootstrap_p():
-    assert paired_t([0.1]) is None and paired_t([0.2, 0.2, 0.2]) is None
+    assert paired_t([0.1]) is None and paired_t([0.2, 0.2, 0.2]) == 0.0 and paired_t([0.0, 0.0, 0.0]) == 1.0
     assert paired_t([-0.1, -0.12, -0.09, -0.11]) < 0.001
     assert paired_t([-0.3, 0.3, -0.1, 0.1]) == pytest.approx(1.0)
     assert bootstrap_p(np.full(99, -1.0)) == pytest.approx(0.02)  # the +1 correction: never 0
