@@ -249,7 +249,10 @@ def target_status(records: Iterable[dict[str, Any]], references: Sequence[str] =
         hurt = [c for c, v in clients.items() if v["verdict"] == "worse"]
         if hurt:
             missing.append(f"client{'s' if len(hurt) > 1 else ''} {', '.join(hurt)} worse than {references[0]}")
-        (why.append(f"{a}: {'; '.join(missing)}") if missing else met.append(a))
+        if missing:
+            why.append(f"{a}: {'; '.join(missing)}")
+        else:
+            met.append(a)
     if met:
         refs = " and ".join(references)
         return f"Target met by {', '.join(met)} (worst client better than {refs}, corrected; no client worse)."
