@@ -22,7 +22,8 @@ from flwr.app import Context, Message
 
 from common.adapters import ReportsBound
 from common.config import TrainSection
-from common.evaluation import evaluate
+from common.evaluation import answer_loss, evaluate
+from common.guard import GUARD_STATE_KEY, choose, snapshot, trained_names
 from common.logs import get_logger
 from common.records import (
     ARRAYS,
@@ -42,7 +43,7 @@ from common.reply_checks import clip_update
 from common.training import round_learning_rate, train_round
 from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, WEIGHT_BY, WEIGHT_BY_EXAMPLES
 
-from .runtime import begin_message, declared_state_keys, get_runtime, note_restored
+from .runtime import ClientRuntime, begin_message, declared_state_keys, get_runtime, note_restored
 from .state_store import restore, save, state_file
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ def train(msg: Message, context: Context) -> Message:
     active = _active_blocks(config)
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     rt.strategy.ready(rt, config, training=True)
+    guarded = guard(rt)
     rt.adapter.prepare_training(active)
     server_round = int(config.get("server-round", 1))
     settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
@@ -115,6 +117,10 @@ def train(msg: Message, context: Context) -> Message:
     metrics: dict[str, Any] = dict(
         train_round(rt.model, rt.tokenizer, rt.train, settings, lr, seed=seed, lr_groups=rt.adapter.lr_groups())
     )
+    if rt.cfg.guard.enabled:  # the client's own adapter, for the next message's guard (all it ever trained)
+        own = rt.state.get(GUARD_STATE_KEY) or {}
+        rt.state.put(GUARD_STATE_KEY, snapshot(rt.model, sorted({*own, *trained_names(rt.model)})))
+    metrics.update(guarded)
     updated, adapter_metrics = rt.adapter.outgoing(active)
     if not math.isfinite(metrics["train_loss"]) or not all(np.all(np.isfinite(a)) for a in updated.values()):
         # Never send (or mask, under SecAgg+, or keep) a diverged update: the error makes the server leave it out.
@@ -138,6 +144,34 @@ def train(msg: Message, context: Context) -> Message:
     if "audit-dir" in context.node_config:
         keep_audit_copy(Path(str(context.node_config["audit-dir"])), server_round, rt.partition_id, updated, weight)
     return Message(train_reply(updated, weight, metrics), reply_to=msg)
+
+
+def guard(rt: ClientRuntime) -> dict[str, Any]:
+    """``guard.enabled``: leave the adapter at the share of what the server's message set (against the client's own
+    last trained adapter) that is lowest in loss on the client's validation examples (``common.guard``); returns
+    the guard's metrics (none when it is off)."""
+    settings = rt.cfg.guard
+    if not settings.enabled:
+        return {}
+    own = rt.state.get(GUARD_STATE_KEY)
+    if own is None:  # nothing trained yet
+        return {"guard_share": 1.0}
+    examples = rt.validation[: settings.examples]
+    batch, max_len = rt.cfg.eval.batch_size, rt.cfg.train.max_seq_len
+    rt.model.eval()
+
+    def validation_loss() -> float:
+        return answer_loss(rt.model, rt.tokenizer, examples, batch, max_len)
+
+    metrics = choose(rt.model, own, settings.shares, validation_loss)
+    losses = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "guard_share")
+    log.info(
+        "partition %d: guard kept share %.2f of the server's adapter (%s)",
+        rt.partition_id,
+        metrics["guard_share"],
+        losses,
+    )
+    return metrics
 
 
 def keep_audit_copy(directory: Path, server_round: int, partition_id: int, arrays: Mapping, weight: int) -> None:
@@ -167,9 +201,11 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     arrays = read_sent_adapter(msg.content.array_records[ARRAYS], rt.strategy.wire_reference(rt, config))
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     rt.strategy.ready(rt, config, training=False)
+    guarded = guard(rt)
     server_round = _config_int(config, "server-round", -1)
     examples = rt.cfg.eval.examples_at(server_round, rt.cfg.num_server_rounds)  # more where verdicts are made
     metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train, examples))
+    metrics.update(guarded)
     log.info(
         "node %s (partition %d) round %s: eval loss %.4f EM %.3f ROUGE-L %.3f",
         context.node_id,

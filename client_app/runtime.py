@@ -108,6 +108,11 @@ class ClientRuntime:
         return self.data.held_out
 
     @property
+    def validation(self) -> list[Example]:
+        """Its validation split (never trained on, not what evaluation reports unless tuning): the guard's."""
+        return self.data.validation
+
+    @property
     def model(self) -> Any:
         return self.adapter.model
 

@@ -15,13 +15,22 @@ from typing import Any, NamedTuple
 
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
-from common.core_sections import DataSection, EvalSection, ModelSection, RobustSection, SecAggSection, TrainSection
+from common.core_sections import (
+    DataSection,
+    EvalSection,
+    GuardSection,
+    ModelSection,
+    RobustSection,
+    SecAggSection,
+    TrainSection,
+)
 from common.section import ConfigError, Section, SectionT, join_value
 
 __all__ = [  # the config's vocabulary, importable from here as before the split into common.section / core_sections
     "ConfigError",
     "DataSection",
     "EvalSection",
+    "GuardSection",
     "ModelSection",
     "Plan",
     "RobustSection",
@@ -98,6 +107,7 @@ class RunConfig(Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     secagg: SecAggSection = Field(default_factory=SecAggSection)
     robust: RobustSection = Field(default_factory=RobustSection)
+    guard: GuardSection = Field(default_factory=GuardSection)
     _sections: dict[str, Section] = PrivateAttr(default_factory=dict)
     _plan: Plan | None = PrivateAttr(None)
 
@@ -106,6 +116,11 @@ class RunConfig(Section):
         if self.secure and self.min_train_replies < 3:
             # SecAgg+ over 2 clients leaks each update to the other one.
             raise ValueError("min-train-replies: must be >= 3 when secure=true (a SecAgg+ group of 2 leaks updates)")
+        if self.guard.enabled and self.data.validation_fraction == 0:
+            raise ValueError("guard.enabled: it chooses on the validation split; set data.validation-fraction > 0")
+        if self.guard.enabled and self.data.eval_split == "validation":
+            # it would choose on the very examples it reports: a flattering number, not a measurement
+            raise ValueError("guard.enabled: not with data.eval-split = 'validation' (it chooses on that split)")
         return self
 
     def section(self, kind: type[SectionT]) -> SectionT:

@@ -181,6 +181,34 @@ class EvalSection(Section):
         return self.max_examples
 
 
+class GuardSection(Section):
+    """Do no harm (``common.guard``): a client keeps, of what the server sends, the share that does not raise the
+    loss on its own validation split.
+
+    enabled: compare, at every message after the client's first training, the adapter the server's message gives
+        it with mixes towards the client's own last trained adapter, and keep the one of lowest validation loss.
+    shares: the server's shares tried (1: the strategy as it is, 0: the client's own adapter; [0, 1] adopts or
+        refuses, values between also learn how much to mix in).
+    examples: the validation examples the choice is made on (the first ones of the client's validation split).
+    """
+
+    enabled: bool = False
+    shares: list[float] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
+    examples: int = Field(16, ge=1)
+
+    _csv = field_validator("shares", mode="before")(split_csv)
+
+    @field_validator("shares")
+    @classmethod
+    def _shares_in_range(cls, value: list[float]) -> list[float]:
+        outside = [s for s in value if not 0.0 <= s <= 1.0]
+        if outside:
+            raise ValueError(f"shares of the server's adapter are in [0, 1], got {outside}")
+        if len(set(value)) < 2:
+            raise ValueError(f"at least two different shares to choose between, got {value}")
+        return value
+
+
 MODULUS_RANGE = 2**32  # SecAgg+'s arithmetic is modulo this (Flower's default); a group's sum must stay below it
 
 

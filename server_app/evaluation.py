@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from common.data import DATA_COUNT_KEYS
+from common.guard import GUARD_METRICS
 from common.logs import get_logger
 from common.records import num_bytes
 
@@ -24,7 +25,7 @@ log = get_logger("tessera.server")
 
 EVAL_ROW_KEYS = ("eval_loss", "perplexity", "exact_match", "rouge_l", "eval_examples", "eval_seconds")
 # ... and these when sent (the per-example losses and token counts are what a comparison bootstraps over)
-EVAL_ROW_EXTRAS = ("eval_generated", "eval_loss_seconds", "eval_example_loss", "eval_example_tokens")
+EVAL_ROW_EXTRAS = ("eval_generated", "eval_loss_seconds", "eval_example_loss", "eval_example_tokens", *GUARD_METRICS)
 
 
 def evaluate_round(

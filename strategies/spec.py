@@ -53,7 +53,10 @@ class StrategySpec:
         return [kind.section, *kind.extra_sections, *own, *self.shared_sections]
 
     def state_keys(self, cfg: RunConfig) -> tuple[str, ...]:
-        """Every client-state key a client of this strategy keeps (adapter kind's + client half's)."""
+        """Every client-state key a client of this strategy keeps (adapter kind's + client half's, and the guard's
+        copy of the client's own adapter when ``guard.enabled``)."""
         from common.adapters import adapter_kind
+        from common.guard import GUARD_STATE_KEY
 
-        return (*adapter_kind(self.adapter_for(cfg)).state_keys, *self.client.state_keys)
+        guard = (GUARD_STATE_KEY,) if cfg.guard.enabled else ()
+        return (*adapter_kind(self.adapter_for(cfg)).state_keys, *self.client.state_keys, *guard)

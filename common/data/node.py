@@ -58,6 +58,8 @@ class ClientData:
     held_out: list[Example]
     own: bool = False  # the node's own data (its task names are not reported)
     counts: dict[str, int] = field(default_factory=dict)
+    # its validation split (never trained on): what the guard (``common.guard``) chooses on
+    validation: list[Example] = field(default_factory=list)
 
     @cached_property
     def tasks(self) -> str:
@@ -121,7 +123,7 @@ def load_client_data(
             "data-trained-on": len(train),
         }
     )
-    return ClientData(train, held_out, source is not None, counts)
+    return ClientData(train, held_out, source is not None, counts, validation=splits["validation"])
 
 
 def client_data(

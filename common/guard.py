@@ -1,0 +1,106 @@
+"""Do no harm: a client takes what the server sends only as far as its own validation loss says it helps.
+
+Every strategy starts a client's message from what the server sent (an average, a cluster's adapter, a routed mix)
+combined with what the client keeps. Where the federation's adapter is worse for this client than the one it trained
+itself, sharing costs it. With ``guard.enabled`` the client compares, on the first ``guard.examples`` examples of
+its VALIDATION split (never the test split the verdicts are made on), the adapter the server's message gives it with
+mixes towards its own last trained adapter: for each share ``s`` in ``guard.shares`` every trained tensor is
+``s * server + (1 - s) * own``; the share with the lowest validation loss is kept (ties go to the larger share, the
+server's side). Share 1 is the strategy as it is, share 0 the client's own adapter; ``shares = [0, 1]`` adopts or
+refuses, intermediate shares learn how much to mix in.
+
+What is compared: the parameters the client trained in its last round (``snapshot``), kept in the client state
+under ``GUARD_STATE_KEY``. Parameters it did not train are left as the message set them. The first message of a
+run has no own adapter yet, and neither has a client whose server candidate equals its own (local-only): both
+skip the comparison. Nothing of this leaves the client but three metrics (the share kept and the two validation
+losses), so the server learns what it learnt before, plus how much each client trusts what it sends.
+
+These are plain functions over a torch model and NumPy arrays; ``client_app.handlers`` calls ``guard_start``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+GUARD_STATE_KEY = "guard-own"  # the client state key of its own last trained parameters (declared when enabled)
+GUARD_METRICS = ("guard_share", "guard_server_loss", "guard_own_loss")  # what a reply carries of it (rows keep them)
+
+
+def trained_names(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters training updates now (``requires_grad``)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def snapshot(model: torch.nn.Module, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Copies of the named parameters as float32 NumPy arrays."""
+    params = dict(model.named_parameters())
+    return {name: params[name].detach().float().cpu().numpy().copy() for name in names if name in params}
+
+
+def mixed(server: Mapping[str, np.ndarray], own: Mapping[str, np.ndarray], share: float) -> dict[str, np.ndarray]:
+    """``share * server + (1 - share) * own``, tensor by tensor (share 1: the server's; 0: the client's own)."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share {share}: expected a value in [0, 1]")
+    return {name: share * server[name] + (1.0 - share) * own[name] for name in server}
+
+
+def best_share(losses: Mapping[float, float]) -> float:
+    """The share with the lowest loss; among equal losses the largest share (adopting the server's is the default,
+    so the guard refuses only what measurably hurts). A NaN loss never wins."""
+    finite = {s: loss for s, loss in losses.items() if np.isfinite(loss)}
+    if not finite:
+        return max(losses)
+    lowest = min(finite.values())
+    return max(s for s, loss in finite.items() if loss == lowest)
+
+
+def comparable(server: Mapping[str, np.ndarray], own: Mapping[str, np.ndarray]) -> list[str]:
+    """The names both hold with the same shape (a re-attached adapter of other ranks is not the client's own)."""
+    return [name for name in own if name in server and server[name].shape == own[name].shape]
+
+
+def load(model: torch.nn.Module, values: Mapping[str, np.ndarray]) -> None:
+    """Write ``values`` into the model's parameters of those names (in their dtype and device)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in values.items():
+            param = params[name]
+            param.copy_(torch.from_numpy(np.asarray(value)).to(device=param.device, dtype=param.dtype))
+
+
+def choose(
+    model: torch.nn.Module,
+    own: Mapping[str, np.ndarray],
+    shares: Sequence[float],
+    validation_loss: Callable[[], float],
+) -> dict[str, Any]:
+    """Leave the model at the share of the server's parameters (against ``own``) with the lowest
+    ``validation_loss()``; returns the guard's metrics (``guard_share``, ``guard_server_loss``, ``guard_own_loss``
+    where measured). Shares are measured in the order given, the server's (share 1) first if listed, so a tie is
+    decided without rounding noise."""
+    current = snapshot(model, list(own))
+    names = comparable(current, own)
+    server = {name: current[name] for name in names}
+    own = {name: np.asarray(own[name], dtype=np.float32) for name in names}
+    if not names or all(np.array_equal(server[n], own[n]) for n in names):
+        return {"guard_share": 1.0}  # nothing to choose between (first message, local-only)
+    losses: dict[float, float] = {}
+    for share in sorted(set(float(s) for s in shares), reverse=True):
+        load(model, mixed(server, own, share))
+        losses[share] = float(validation_loss())
+    chosen = best_share(losses)
+    load(model, mixed(server, own, chosen))
+    metrics: dict[str, Any] = {"guard_share": chosen}
+    if 1.0 in losses:
+        metrics["guard_server_loss"] = losses[1.0]
+    if 0.0 in losses:
+        metrics["guard_own_loss"] = losses[0.0]
+    return metrics

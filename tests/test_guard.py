@@ -1,0 +1,170 @@
+"""Do no harm (``common.guard``): a client keeps, of what the server sends, the share that does not raise its own
+validation loss. The math on plain tensors; the ClientApp's guard on a tiny random Llama with LoRA; the config."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+
+from client_app.handlers import guard
+from client_app.runtime import ClientRuntime, LoadedModel
+from common.adapters import ClientState, adapter_kind
+from common.config import ConfigError
+from common.data import ClientData, Example
+from common.guard import GUARD_STATE_KEY, best_share, choose, mixed, snapshot, trained_names
+from common.model import load_base_model, load_tokenizer
+from common.training import train_round
+from strategies import load_run_config, strategy_spec
+from strategies.client import StrategyClient
+
+TRAIN = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8)]
+VALIDATION = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8, 16)]
+GUARDED = {"strategy": "fedavg", "guard.enabled": True, "data.validation-fraction": 0.2, "lora.r": 4}
+
+
+def test_mixed_is_the_share_weighted_blend_and_refuses_shares_outside_0_1():
+    server, own = {"w": np.array([2.0, 4.0])}, {"w": np.array([0.0, 0.0])}
+    np.testing.assert_allclose(mixed(server, own, 0.25)["w"], [0.5, 1.0])
+    np.testing.assert_array_equal(mixed(server, own, 1.0)["w"], server["w"])
+    np.testing.assert_array_equal(mixed(server, own, 0.0)["w"], own["w"])
+    with pytest.raises(ValueError, match="share 1.5"):
+        mixed(server, own, 1.5)
+
+
+def test_the_lowest_loss_wins_a_tie_goes_to_the_server_and_nan_never_wins():
+    assert best_share({0.0: 1.0, 0.5: 0.8, 1.0: 0.9}) == 0.5
+    assert best_share({0.0: 0.7, 1.0: 0.7}) == 1.0  # refuse only what measurably hurts
+    assert best_share({0.0: 0.9, 1.0: float("nan")}) == 0.0
+
+
+def linear(weight: list[float]) -> torch.nn.Linear:
+    model = torch.nn.Linear(len(weight), 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([weight]))
+    return model
+
+
+def distance_to(model: torch.nn.Linear, target: list[float]):
+    calls = []
+
+    def loss() -> float:
+        calls.append(1)
+        return float(((model.weight.detach()[0] - torch.tensor(target)) ** 2).sum())
+
+    return loss, calls
+
+
+@pytest.mark.parametrize(
+    "target, shares, kept",
+    [
+        ([0.0, 0.0], [0.0, 1.0], 0.0),  # the server's adapter is worse: the client keeps its own
+        ([4.0, 4.0], [0.0, 1.0], 1.0),  # better: it adopts it
+        ([2.0, 2.0], [0.0, 0.5, 1.0], 0.5),  # halfway is best: it mixes half in
+    ],
+)
+def test_choose_leaves_the_model_at_the_share_of_lowest_validation_loss(target, shares, kept):
+    model = linear([4.0, 4.0])  # what the server's message set
+    own = {"weight": np.zeros((1, 2), dtype=np.float32)}
+    loss, calls = distance_to(model, target)
+    metrics = choose(model, own, shares, loss)
+    assert metrics["guard_share"] == kept
+    np.testing.assert_allclose(model.weight.detach().numpy(), [[4.0 * kept, 4.0 * kept]])
+    assert len(calls) == len(shares)
+    assert metrics["guard_server_loss"] == pytest.approx(sum((4.0 - t) ** 2 for t in target))
+    assert metrics["guard_own_loss"] == pytest.approx(sum(t**2 for t in target))
+
+
+def test_choose_measures_nothing_when_the_server_sent_the_clients_own_adapter():
+    model = linear([1.0, 2.0])
+    loss, calls = distance_to(model, [0.0, 0.0])
+    assert choose(model, snapshot(model, ["weight"]), [0.0, 1.0], loss) == {"guard_share": 1.0}
+    assert not calls  # local-only: nothing to choose between, no evaluation spent
+
+
+def test_choose_skips_parameters_whose_shape_changed():
+    model = linear([4.0, 4.0])
+    loss, calls = distance_to(model, [0.0, 0.0])
+    assert choose(model, {"weight": np.zeros((1, 3), dtype=np.float32)}, [0.0, 1.0], loss) == {"guard_share": 1.0}
+    assert not calls
+
+
+def runtime(tiny_llama_dir, settings: dict) -> ClientRuntime:
+    cfg = load_run_config(settings)
+    loaded = LoadedModel(str(tiny_llama_dir), load_base_model(str(tiny_llama_dir), "fp32", "cpu"), None, 1)
+    loaded.tokenizer = load_tokenizer(str(tiny_llama_dir))
+    adapter = loaded.attach(adapter_kind(cfg.adapter), cfg)
+    ctx = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    state = ClientState(ctx.state, strategy_spec(cfg.strategy).state_keys(cfg))
+    data = ClientData(TRAIN, TRAIN, validation=VALIDATION)
+    return ClientRuntime(cfg, loaded, adapter, StrategyClient(cfg), state, 0, 1, {}, data)
+
+
+def trained_own(rt: ClientRuntime) -> dict[str, np.ndarray]:
+    """The client trains from the run's initial adapter and keeps its own copy, as the train handler does."""
+    rt.adapter.begin(rt.state, rt.adapter.initial)
+    rt.adapter.prepare_training(None)
+    train_round(rt.model, rt.tokenizer, TRAIN, rt.cfg.train_settings(), 0.05, seed=0)
+    own = snapshot(rt.model, trained_names(rt.model))
+    rt.state.put(GUARD_STATE_KEY, own)
+    return own
+
+
+def test_a_client_refuses_a_server_adapter_that_raises_its_validation_loss(tiny_llama_dir):
+    rt = runtime(tiny_llama_dir, GUARDED)
+    assert guard(rt) == {"guard_share": 1.0}  # nothing trained yet: the server's, unmeasured
+    own = trained_own(rt)
+    rng = np.random.default_rng(0)
+    harmful = {k: v + rng.normal(scale=2.0, size=v.shape).astype(np.float32) for k, v in rt.adapter.initial.items()}
+    rt.adapter.begin(rt.state, harmful)  # the federation's adapter: far from anything this client learnt
+    metrics = guard(rt)
+    assert metrics["guard_share"] == 0.0
+    assert metrics["guard_own_loss"] < metrics["guard_server_loss"]
+    now = snapshot(rt.model, list(own))
+    assert all(np.array_equal(now[k], own[k]) for k in own)  # it evaluates and trains on its own adapter
+
+
+def test_a_client_adopts_a_server_adapter_that_lowers_its_validation_loss(tiny_llama_dir):
+    rt = runtime(tiny_llama_dir, GUARDED)
+    own = trained_own(rt)
+    # the federation's adapter: this client's, trained further on examples like its validation ones
+    train_round(rt.model, rt.tokenizer, VALIDATION, rt.cfg.train_settings(), 0.05, seed=1)
+    better = snapshot(rt.model, list(own))
+    metrics = guard(rt)
+    assert metrics["guard_share"] == 1.0
+    assert metrics["guard_server_loss"] < metrics["guard_own_loss"]
+    now = snapshot(rt.model, list(own))
+    assert all(np.array_equal(now[k], better[k]) for k in own)
+
+
+def test_without_the_guard_a_client_neither_measures_nor_keeps_a_copy(tiny_llama_dir):
+    rt = runtime(tiny_llama_dir, {"strategy": "fedavg", "lora.r": 4})
+    assert guard(rt) == {}
+    assert GUARD_STATE_KEY not in strategy_spec("fedavg").state_keys(rt.cfg)
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"guard.enabled": True}, "guard.enabled: it chooses on the validation split"),
+        (
+            {"guard.enabled": True, "data.validation-fraction": 0.2, "data.eval-split": "validation"},
+            "guard.enabled: not with data.eval-split",
+        ),
+        ({"guard.shares": "0,1.5"}, "guard.shares"),
+        ({"guard.shares": "1"}, "guard.shares"),
+        ({"guard.examples": 0}, "guard.examples"),
+    ],
+)
+def test_a_bad_guard_config_names_its_key(settings, says):
+    with pytest.raises(ConfigError, match=says):
+        load_run_config({"strategy": "fedavg", **settings})
+
+
+def test_every_strategy_can_guard_and_keeps_the_copy_under_a_declared_key():
+    from strategies import REGISTRY
+
+    for name, spec in REGISTRY.items():
+        cfg = load_run_config({**GUARDED, "strategy": name, "lora.r": 8})
+        assert GUARD_STATE_KEY in spec.state_keys(cfg), name
