@@ -23,7 +23,7 @@ from flwr.app import Context, Message
 from common.adapters import ReportsBound
 from common.config import TrainSection
 from common.evaluation import answer_loss, evaluate
-from common.guard import GUARD_STATE_KEY, choose, snapshot, trained_names
+from common.guard import GUARD_STATE_KEY, as_train, choose, snapshot, trained_names
 from common.logs import get_logger
 from common.records import (
     ARRAYS,
@@ -42,6 +42,7 @@ from common.records import (
 from common.reply_checks import clip_update
 from common.training import round_learning_rate, train_round
 from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, WEIGHT_BY, WEIGHT_BY_EXAMPLES
+from strategies.client import save_whole_adapter
 
 from .runtime import ClientRuntime, begin_message, declared_state_keys, get_runtime, note_restored
 from .state_store import restore, save, state_file
@@ -120,7 +121,7 @@ def train(msg: Message, context: Context) -> Message:
     if rt.cfg.guard.enabled:  # the client's own adapter, for the next message's guard (all it ever trained)
         own = rt.state.get(GUARD_STATE_KEY) or {}
         rt.state.put(GUARD_STATE_KEY, snapshot(rt.model, sorted({*own, *trained_names(rt.model)})))
-    metrics.update(guarded)
+    metrics.update(as_train(guarded))
     updated, adapter_metrics = rt.adapter.outgoing(active)
     if not math.isfinite(metrics["train_loss"]) or not all(np.all(np.isfinite(a)) for a in updated.values()):
         # Never send (or mask, under SecAgg+, or keep) a diverged update: the error makes the server leave it out.
@@ -222,8 +223,10 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
                 rt.adapter.final_report(rt.tokenizer, rt.train, rt.cfg.eval.batch_size, rt.cfg.train.max_seq_len)
             )
             log.info("node %s (partition %d) bound: %s", context.node_id, rt.partition_id, _bound_line(metrics))
-        # the client's own copy, where the server's lacks parts
-        out = rt.strategy.save(rt, rt.cfg.run_path() / "client-adapters" / f"partition-{rt.partition_id}")
+        # the client's own copy, where the server's lacks parts, or where the guard kept less than the server's
+        out_dir = rt.cfg.run_path() / "client-adapters" / f"partition-{rt.partition_id}"
+        kept_own = guarded.get("guard_share", 1.0) < 1.0
+        out = save_whole_adapter(rt, out_dir) if kept_own else rt.strategy.save(rt, out_dir)
         if out is not None:
             metrics["adapter_dir"] = str(out)
     metrics.update(rt.identity())

@@ -29,7 +29,14 @@ if TYPE_CHECKING:
     import torch
 
 GUARD_STATE_KEY = "guard-own"  # the client state key of its own last trained parameters (declared when enabled)
-GUARD_METRICS = ("guard_share", "guard_server_loss", "guard_own_loss")  # what a reply carries of it (rows keep them)
+GUARD_METRICS = ("guard_share", "guard_server_loss", "guard_own_loss")  # what an evaluate reply carries of it
+# ... and a train reply (under its own names: a round's train and eval metrics share one row of metrics.jsonl)
+TRAIN_GUARD_METRICS = tuple(f"train_{key}" for key in GUARD_METRICS)
+
+
+def as_train(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The guard's metrics under the names a train reply carries them."""
+    return {f"train_{key}": value for key, value in metrics.items()}
 
 
 def trained_names(model: torch.nn.Module) -> list[str]:

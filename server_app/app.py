@@ -17,7 +17,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from common.adapters import adapter_kind
 from common.config import ConfigError, RunConfig
-from common.guard import GUARD_METRICS
+from common.guard import TRAIN_GUARD_METRICS
 from common.logs import get_logger
 from common.records import metric_list, num_bytes
 from common.reply_checks import ReplyLimits
@@ -298,7 +298,7 @@ def _train_rows(
                 "bytes_down": metrics.get("bytes_down", 0),
                 "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),
                 "accepted": nid in result.contributors,
-                **{k: metrics[k] for k in GUARD_METRICS if k in metrics},  # what the member kept of the last adapter
+                **{k: metrics[k] for k in TRAIN_GUARD_METRICS if k in metrics},  # what it kept of what it was sent
                 **{
                     k: metrics[k] if kind is None else metric_list(metrics[k], kind)
                     for k, kind in extra.items()

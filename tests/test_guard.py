@@ -168,3 +168,34 @@ def test_every_strategy_can_guard_and_keeps_the_copy_under_a_declared_key():
     for name, spec in REGISTRY.items():
         cfg = load_run_config({**GUARDED, "strategy": name, "lora.r": 8})
         assert GUARD_STATE_KEY in spec.state_keys(cfg), name
+
+
+@pytest.mark.e2e
+def test_a_guarded_federation_measures_every_message_after_the_first_training_and_saves_what_it_kept(
+    tiny_llama_dir, tmp_path
+):
+    """FedAvg with the guard through the real ServerApp and ClientApp (in-process simulation, tiny model): the copy
+    survives between messages, the share kept reaches metrics.jsonl, and a client that kept less than the server's
+    adapter at the end saves the adapter it was evaluated with."""
+    import json
+
+    from test_toy_strategy import config, run
+
+    run_dir = tmp_path / "run"
+    settings = {**config(tiny_llama_dir, run_dir), **GUARDED, "guard.shares": "0,0.5,1", "guard.examples": 2}
+    settings["train.learning-rate"] = 0.05
+    run(settings)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    clients = [r for r in rows if r["node"] is not None]
+    first = [r for r in clients if r["round"] == 1]  # nothing trained before round 1's training: nothing measured
+    assert len(first) == 3 and all(r["train_guard_share"] == 1.0 and "train_guard_own_loss" not in r for r in first)
+    # every later message (round 1's evaluation, round 2's training and evaluation) measured the shares
+    assert len([r for r in clients if r["round"] == 2]) == 3
+    assert all(r["guard_share"] == 1.0 and "guard_own_loss" not in r for r in clients if r["round"] == 0)
+    for row in (r for r in clients if r["round"] > 0):
+        for prefix in ("train_", "") if row["round"] == 2 else ("",):
+            assert row[f"{prefix}guard_share"] in (0.0, 0.5, 1.0)
+            assert np.isfinite(row[f"{prefix}guard_server_loss"]) and np.isfinite(row[f"{prefix}guard_own_loss"])
+        if row["round"] == 2:  # the end: a client that kept less than the server's adapter saved what it kept
+            kept_own = row["guard_share"] < 1.0
+            assert (run_dir / "client-adapters" / f"partition-{row['partition_id']}").exists() == kept_own
