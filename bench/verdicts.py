@@ -13,6 +13,7 @@ corrected for their number, over flat rows (one per strategy, seed, client and r
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -255,8 +256,32 @@ def target_status(records: Iterable[dict[str, Any]], references: Sequence[str] =
             met.append(a)
     if met:
         refs = " and ".join(references)
-        return f"Target met by {', '.join(met)} (worst client better than {refs}, corrected; no client worse)."
-    return "Target not met" + (f" ({'; '.join(why)})." if why else ": no strategy to judge.")
+        status = f"Target met by {', '.join(met)} (worst client better than {refs}, corrected; no client worse)."
+    else:
+        status = "Target not met" + (f" ({'; '.join(why)})." if why else ": no strategy to judge.")
+    return status + do_no_harm_status(by_pair, candidates, references[0])
+
+
+def guarded(label: str) -> bool:
+    """Whether a strategy label runs with the do-no-harm option (``common.guard``)."""
+    return bool(re.search(r"(^|[\s:])guard\.enabled=(true|1)\b", label, flags=re.IGNORECASE))
+
+
+def do_no_harm_status(by_pair: dict[tuple[str, str, str], dict[str, Any]], candidates: list[str], local: str) -> str:
+    """The target's second half, for every strategy run with the guard: worse than ``local`` on no client
+    (per client, seed-aware). Empty when no strategy ran with it."""
+    lines = []
+    for a in (c for c in candidates if guarded(c)):
+        clients = by_pair.get((a, local, "per client"), {}).get("clients")
+        if clients is None:
+            lines.append(f"{a}: no pair with {local}")
+            continue
+        hurt = [c for c, v in clients.items() if v["verdict"] == "worse"]
+        judged = (
+            "worse on no client" if not hurt else f"worse on client{'s' if len(hurt) > 1 else ''} {', '.join(hurt)}"
+        )
+        lines.append(f"{a}: {judged} of {len(clients)}")
+    return f" Do no harm (against {local}): {'; '.join(lines)}." if lines else ""
 
 
 def verdict_cell(verdict: str) -> str:

@@ -448,6 +448,7 @@ def test_verdicts_pair_each_strategy_with_the_references_and_name_who_is_hurt(tm
     # the evidence target, read off the same records: "better" helps the mean client but its worst is hurt
     assert text.startswith("Target not met (better: worst client − local worse, Holm p ")
     assert "client 3 worse than local" in text.splitlines()[0]
+    assert "Do no harm" not in text  # no strategy ran with the guard: the target's second half is not judged
     report = {
         **_report([0, 1, 2], "A"),
         "references": ["local", "fedavg"],
@@ -544,3 +545,21 @@ def test_a_pair_that_cannot_be_formed_is_refused_not_a_crash_and_its_claim_stays
     claims = [r for r in records if r.get("primary")]
     assert {(r["a"], r["b"]) for r in claims} == {("good", "local"), ("good", "fedavg")}
     assert "Holm-corrected over these 4" in text  # fewer's two declared claims count, as p = 1
+
+
+def test_the_target_judges_every_guarded_strategy_on_harm_to_any_client():
+    rows = []
+    guarded, unguarded = "simgrad:guard.enabled=true", "simgrad"
+    for seed in (0, 1, 2):
+        rows += _example_rows("local", seed, [0.0, 0.0, 0.0, 0.0])
+        rows += _example_rows("fedavg", seed, [0.1, 0.1, 0.1, 0.1])
+        rows += _example_rows(unguarded, seed, [-0.3, -0.3, -0.3, 0.4])  # hurts client 3
+        rows += _example_rows(guarded, seed, [-0.3, -0.3, -0.3, 0.0])  # client 3 kept its own adapter
+    text, _ = verdict_tables(rows, ["local", "fedavg"], replicates=500)
+    status = text.splitlines()[0]
+    assert status.endswith(f"Do no harm (against local): {guarded}: worse on no client of 4.")
+    rows += _example_rows("fedsa-lora:guard.enabled=true", 0, [0.0, 0.0, 0.0, 0.5])
+    rows += _example_rows("fedsa-lora:guard.enabled=true", 1, [0.0, 0.0, 0.0, 0.5])
+    rows += _example_rows("fedsa-lora:guard.enabled=true", 2, [0.0, 0.0, 0.0, 0.5])
+    status = verdict_tables(rows, ["local", "fedavg"], replicates=500)[0].splitlines()[0]
+    assert "fedsa-lora:guard.enabled=true: worse on client 3 of 4" in status
