@@ -43,6 +43,17 @@ class Bound(NamedTuple):
     high: float | None = None
 
 
+class ListOf(NamedTuple):
+    """A metric the server reads as a list (sent as a list, or comma-joined through SecAgg+'s FitRes): the kind of
+    its elements and their range (None: open)."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+
+
+Spec = Bound | ListOf
+
 IDENTITY_METRICS = {"partition-id": Bound(int)}
 TRAIN_METRICS = {
     "train_loss": Bound(float),
@@ -62,13 +73,32 @@ EVAL_METRICS = {
 
 PER_EXAMPLE_METRICS = ("eval_example_loss", "eval_example_tokens")  # one value per held-out example evaluated
 
+# Metrics the server reads when a reply carries them: parsed here, once, into typed values (``check_metrics``'s
+# ``optional``), so that nothing downstream converts a reply's string (a strategy's and an adapter kind's own are
+# added from their ``reply_metrics``: ``reply_metric_specs``).
+GUARD_BOUNDS = {"share": Bound(float, 0.0, 1.0), "server_loss": Bound(float), "own_loss": Bound(float)}
+TRAIN_OPTIONAL: dict[str, Spec] = {
+    "secagg_clipped": Bound(int),
+    "secagg_norm_clipped": Bound(int, 0, 1),
+    **{f"train_guard_{k}": b for k, b in GUARD_BOUNDS.items()},
+}
+EVAL_OPTIONAL: dict[str, Spec] = {"eval_generated": Bound(int), **{f"guard_{k}": b for k, b in GUARD_BOUNDS.items()}}
+
+
+def reply_metric_specs(declared: Mapping[str, type | None]) -> dict[str, Spec]:
+    """``reply_metrics`` as an adapter kind or strategy declares them (name -> list element type, or None for a
+    number) as specs ``check_metrics`` parses."""
+    return {k: Bound(float, None, None) if kind is None else ListOf(kind) for k, kind in declared.items()}
+
 
 def check_eval_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """An evaluation reply's metrics (``check_metrics`` with ``EVAL_METRICS``); its per-example losses and token
     counts, when sent, must be lists of ``eval_examples`` finite values >= 0 (whole numbers for the counts), since a
     comparison resamples them."""
-    checked = check_metrics(metrics, EVAL_METRICS)
+    checked = check_metrics(metrics, EVAL_METRICS, EVAL_OPTIONAL)
     n = int(checked["eval_examples"])
+    if checked.get("eval_generated", 0) > n:
+        raise ReplyError(f"metric 'eval_generated' = {checked['eval_generated']} is more than eval_examples={n}")
     for key in PER_EXAMPLE_METRICS:
         if key not in checked:
             continue
@@ -94,12 +124,16 @@ class ReplyLimits:
     max_update_norm: float = 1e3
     clip_norm: float | None = None
     train_metrics: Mapping[str, Bound] = field(default_factory=lambda: dict(TRAIN_METRICS))
+    optional_metrics: Mapping[str, Spec] = field(default_factory=lambda: dict(TRAIN_OPTIONAL))
 
 
-def check_metrics(metrics: Mapping[str, Any], required: Mapping[str, Bound]) -> dict[str, Any]:
+def check_metrics(
+    metrics: Mapping[str, Any], required: Mapping[str, Bound], optional: Mapping[str, Spec] | None = None
+) -> dict[str, Any]:
     """``metrics`` as a plain dict if every name and value is acceptable, the reply as a whole within the limits
-    (``MAX_KEYS``, ``MAX_KEY_TEXT``, ``MAX_TOTAL_ELEMENTS``, ``MAX_TOTAL_TEXT``) and every required key is present
-    and in range."""
+    (``MAX_KEYS``, ``MAX_KEY_TEXT``, ``MAX_TOTAL_ELEMENTS``, ``MAX_TOTAL_TEXT``), every required key is present
+    and in range, and every ``optional`` key it carries parses as its spec. Required and optional values come back
+    typed (``int`` or ``float``; a list of its kind), so that nothing downstream converts a reply's value."""
     if len(metrics) > MAX_KEYS:
         raise ReplyError(f"a reply of {len(metrics)} keys (at most {MAX_KEYS} metric names)")
     size = _Size()
@@ -107,11 +141,39 @@ def check_metrics(metrics: Mapping[str, Any], required: Mapping[str, Bound]) -> 
         _check_key(key)
         size.add(key, value)
         _check_value(key, value)
+    checked = dict(metrics)
     for key, bound in required.items():
         if key not in metrics:
             raise ReplyError(f"metric '{key}' is missing")
-        _check_bound(key, metrics[key], bound)
-    return dict(metrics)
+        checked[key] = parse_metric(key, metrics[key], bound)
+    for key, spec in (optional or {}).items():
+        if key in metrics:
+            checked[key] = parse_metric(key, metrics[key], spec)
+    return checked
+
+
+def parse_metric(key: str, value: Any, spec: Spec) -> Any:
+    """``value`` as ``spec`` reads it (a number of its kind in its range, or a list of them), else ``ReplyError``."""
+    if isinstance(spec, ListOf):
+        items = [x for x in value.split(",") if x.strip()] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ReplyError(f"metric '{key}' must be a list, got {type(value).__name__} {str(value)[:40]!r}")
+        return [parse_metric(key, _number(key, item), Bound(spec.kind, spec.low, spec.high)) for item in items]
+    _check_bound(key, value, spec)
+    return int(value) if spec.kind is int else float(value)
+
+
+def _number(key: str, text: Any) -> Any:
+    """A comma-joined list's element as a number (already a number: itself)."""
+    if not isinstance(text, str):
+        return text
+    try:
+        number = float(text)
+    except ValueError:
+        raise ReplyError(f"metric '{key}': {text.strip()[:40]!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ReplyError(f"metric '{key}': {text.strip()[:40]} is not finite")
+    return number
 
 
 def _check_key(key: Any) -> None:

@@ -19,8 +19,8 @@ from common.adapters import adapter_kind
 from common.config import ConfigError, RunConfig
 from common.guard import TRAIN_GUARD_METRICS
 from common.logs import get_logger
-from common.records import metric_list, num_bytes
-from common.reply_checks import ReplyLimits
+from common.records import num_bytes
+from common.reply_checks import TRAIN_OPTIONAL, ReplyLimits, reply_metric_specs
 from strategies import Strategy, load_run_config, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
@@ -267,10 +267,12 @@ def _train_round(
 
 def reply_limits(cfg: RunConfig) -> ReplyLimits:
     """What this run's train replies are held to: the instruction's example budget and ``robust.*``."""
+    declared = {**adapter_kind(cfg.adapter).reply_metrics, **strategy_spec(cfg.strategy).server.reply_metrics}
     return ReplyLimits(
         examples_per_round=examples_per_round(cfg),
         max_update_norm=cfg.robust.max_update_norm,
         clip_norm=cfg.robust.clip_norm or None,
+        optional_metrics={**TRAIN_OPTIONAL, **reply_metric_specs(declared)},
     )
 
 
@@ -283,8 +285,8 @@ def examples_per_round(cfg: RunConfig) -> int:
 def _train_rows(
     results: list[GroupResult], aggregate_seconds: float, extra: dict[str, type | None]
 ) -> dict[int | None, dict[str, Any]]:
-    """Per node: the train metrics every run has, and ``extra``: what the adapter kind and the strategy add (numbers
-    as they are; lists, which travel comma-joined, see ``common.records.scalar_metrics``, decoded)."""
+    """Per node: the train metrics every run has, and ``extra``: what the adapter kind and the strategy add (already
+    parsed into numbers and lists where the reply was checked: ``reply_limits``' ``optional_metrics``)."""
     rows: dict[int | None, dict[str, Any]] = {None: {"aggregate_seconds": aggregate_seconds, "rejected": {}}}
     for result in results:
         for nid, metrics in result.metrics.items():
@@ -299,16 +301,12 @@ def _train_rows(
                 "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),
                 "accepted": nid in result.contributors,
                 **{k: metrics[k] for k in TRAIN_GUARD_METRICS if k in metrics},  # what it kept of what it was sent
-                **{
-                    k: metrics[k] if kind is None else metric_list(metrics[k], kind)
-                    for k, kind in extra.items()
-                    if k in metrics
-                },
+                **{k: metrics[k] for k in extra if k in metrics},  # typed where the reply was checked
             }
-            if metrics.get("secagg_clipped"):  # values SecAgg+ clamped to its clipping range (the member counted)
-                rows[nid]["secagg_clipped"] = int(metrics["secagg_clipped"])
-                rows[None]["secagg_clipped"] = rows[None].get("secagg_clipped", 0) + int(metrics["secagg_clipped"])
-                log.warning("node %d: SecAgg+ clipped %d values to its range", nid, int(metrics["secagg_clipped"]))
+            if clipped := metrics.get("secagg_clipped"):  # values SecAgg+ clamped to its range (the member counted)
+                rows[nid]["secagg_clipped"] = clipped
+                rows[None]["secagg_clipped"] = rows[None].get("secagg_clipped", 0) + clipped
+                log.warning("node %d: SecAgg+ clipped %d values to its range", nid, clipped)
             if metrics.get("robust"):  # capped weight, clipped update (common.reply_checks)
                 rows[nid]["robust"] = metrics["robust"]
                 rows[None]["robust_adjusted"] = rows[None].get("robust_adjusted", 0) + 1

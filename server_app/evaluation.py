@@ -76,11 +76,12 @@ def evaluate_round(
                     )
                 }
             )
-            n = int(metrics.get("eval_examples", 0))
-            generated = int(metrics.get("eval_generated", n))  # EM and ROUGE-L come from the generated subset
-            totals["eval_loss"] += float(metrics["eval_loss"]) * n
+            # typed and bounded where the reply was checked (common.reply_checks.check_eval_metrics)
+            n = metrics["eval_examples"]
+            generated = metrics.get("eval_generated", n)  # EM and ROUGE-L come from the generated subset
+            totals["eval_loss"] += metrics["eval_loss"] * n
             for key in ("exact_match", "rouge_l"):
-                totals[key] += float(metrics[key]) * generated
+                totals[key] += metrics[key] * generated
             totals["n"] += n
             totals["generated"] += generated
         else:

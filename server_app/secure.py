@@ -197,7 +197,8 @@ def _check_secure_replies(
     reported, bad = {}, []
     for nid, member in list(result.metrics.items()):
         try:
-            metrics = check_metrics({k: v for k, v in member.items() if k != "num_examples"}, limits.train_metrics)
+            sent = {k: v for k, v in member.items() if k != "num_examples"}
+            metrics = check_metrics(sent, limits.train_metrics, limits.optional_metrics)
             count, capped = check_weight(member["num_examples"], cap)
             if capped:
                 raise ReplyError(f"num_examples {member['num_examples']} is over the group's cap {cap:g}")

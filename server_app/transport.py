@@ -163,7 +163,7 @@ def _accept_train_reply(
 ) -> tuple[Arrays, int, dict[str, Any], list[str]]:
     """One member's reply held to ``limits``: (update, weight, metrics, what was capped or clipped)."""
     arrays, count, metrics = read_train_reply(_content(reply), start)
-    metrics = check_metrics(metrics, limits.train_metrics)
+    metrics = check_metrics(metrics, limits.train_metrics, limits.optional_metrics)
     n, capped = check_weight(count, cap)
     arrays = check_update(arrays, start, limits.max_update_norm)
     notes = [f"num_examples {count} capped at {n}"] if capped else []

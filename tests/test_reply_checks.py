@@ -11,6 +11,9 @@ from common.records import ReplyError
 from common.reply_checks import (
     EVAL_METRICS,
     TRAIN_METRICS,
+    TRAIN_OPTIONAL,
+    ListOf,
+    reply_metric_specs,
     check_eval_metrics,
     check_metrics,
     check_update,
@@ -157,3 +160,47 @@ def test_a_large_but_legitimate_reply_still_passes():
         "a" * 128: "x" * 4_096,
     }
     assert check_eval_metrics(good) == good
+
+
+# the optional metrics the server reads when a reply carries them (issue: one string here stopped the whole run)
+PQLORA = reply_metric_specs({"beta": float, "active_blocks": int})
+VEMOE = reply_metric_specs({"vemoe_top": int, "vemoe_vote": None})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "specs", "says"),
+    [
+        ("secagg_clipped", "x", TRAIN_OPTIONAL, "secagg_clipped' must be a number"),
+        ("secagg_clipped", -3, TRAIN_OPTIONAL, "outside"),
+        ("secagg_norm_clipped", 2, TRAIN_OPTIONAL, "outside"),
+        ("train_guard_share", 1.5, TRAIN_OPTIONAL, "outside"),
+        ("beta", "0.5,x", PQLORA, "'x' is not a number"),
+        ("beta", "0.5,nan", PQLORA, "not finite"),
+        ("beta", 0.5, PQLORA, "must be a list"),
+        ("active_blocks", "1,2.5", PQLORA, "whole number"),
+        ("vemoe_top", "1e400", VEMOE, "not finite"),
+        ("vemoe_vote", "8", VEMOE, "must be a number"),
+    ],
+)
+def test_an_optional_metric_the_server_reads_is_parsed_once_or_the_reply_refused(key, value, specs, says):
+    with pytest.raises(ReplyError, match=says):
+        check_metrics({**GOOD_TRAIN, key: value}, TRAIN_METRICS, specs)
+
+
+def test_optional_metrics_come_back_typed_and_lists_decoded_from_their_comma_joined_form():
+    sent = {**GOOD_TRAIN, "beta": "0.5,0.25", "active_blocks": "0,3", "secagg_clipped": 4.0, "other": "kept as sent"}
+    checked = check_metrics(sent, TRAIN_METRICS, {**TRAIN_OPTIONAL, **PQLORA})
+    assert checked["beta"] == [0.5, 0.25] and checked["active_blocks"] == [0, 3]
+    assert checked["secagg_clipped"] == 4 and isinstance(checked["secagg_clipped"], int)
+    assert checked["other"] == "kept as sent" and isinstance(checked["train_tokens"], int)
+    assert check_metrics({**GOOD_TRAIN, "active_blocks": ""}, TRAIN_METRICS, PQLORA)["active_blocks"] == []
+    assert check_metrics({**GOOD_TRAIN, "vemoe_top": [1, 2]}, TRAIN_METRICS, VEMOE)["vemoe_top"] == [1, 2]
+    assert PQLORA["active_blocks"] == ListOf(int)
+
+
+@pytest.mark.parametrize(
+    ("generated", "says"), [("x", "eval_generated"), (9, "more than eval_examples=8"), (-1, "outside")]
+)
+def test_an_eval_reply_generating_what_it_did_not_evaluate_is_refused(generated, says):
+    with pytest.raises(ReplyError, match=says):
+        check_eval_metrics({**GOOD_EVAL, "eval_generated": generated})

@@ -266,6 +266,7 @@ def test_a_hostile_reply_costs_only_its_own_contribution(caplog):
         7: raw_metrics(b"\x00\x01"),
         8: lambda a: train_reply({k: np.full(v.shape, 1e39) for k, v in a.items()}, 5, METRICS),  # float64 beyond f32
         9: lambda a: train_reply({k: v + 1e4 for k, v in a.items()}, 5, METRICS),  # far beyond max-update-norm
+        10: metrics_with(secagg_clipped="x"),  # accepted before, then the row builder's int() stopped the run
     }
     grid = InMemoryGrid(behaviour)
     (result,) = train_groups_plain(grid, 1, [Group("all", {n: START for n in behaviour})], {}, 1.0, limits=LIMITS)
@@ -280,6 +281,7 @@ def test_a_hostile_reply_costs_only_its_own_contribution(caplog):
     assert "train_loss" in why[7] and "bytes" in why[7]
     assert "NaN or Inf" in why[8]
     assert "max-update-norm" in why[9]
+    assert "secagg_clipped" in why[10] and "must be a number" in why[10]
 
 
 def test_a_weight_beyond_the_instruction_is_capped_and_clipping_is_reported():
