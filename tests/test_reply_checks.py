@@ -13,12 +13,12 @@ from common.reply_checks import (
     TRAIN_METRICS,
     TRAIN_OPTIONAL,
     ListOf,
-    reply_metric_specs,
     check_eval_metrics,
     check_metrics,
     check_update,
     check_weight,
     clip_update,
+    reply_metric_specs,
     update_norm,
 )
 
