@@ -101,6 +101,26 @@ def slot_average(weighted_mean: np.ndarray, mask_mean: np.ndarray, axis: int) ->
     return np.where(m.reshape(shape) > 0, np.asarray(weighted_mean, dtype=np.float64) / safe, 0.0).astype(np.float32)
 
 
+def mask_problem(mean: Arrays, weights: Sequence[float], tolerance: float = 1e-3) -> str | None:
+    """Why a group mean's slot masks cannot come from members of these ``weights`` (None if they can). Each member
+    sends masks of 0 and 1, so a slot's mean mask is the share of the group's weight that has the slot: 0, or at
+    least the smallest member's share, and at most 1. ``slot_average`` divides by it: a member that sends a mask of
+    -(n - 1) + e shrinks it to about e / n and multiplies that slot's average (37 instead of 0.057 in a review),
+    inside the box and norm checks."""
+    total = float(sum(weights))
+    least = min(weights) / total if total > 0 else 0.0  # weights not known: only the range is checked
+    for name, mask in mean.items():
+        if not name.startswith(lora_ranks.MASK_PREFIX):
+            continue
+        m = np.asarray(mask, dtype=np.float64)
+        if not np.all(np.isfinite(m)) or m.min() < -tolerance or m.max() > 1 + tolerance:
+            return f"{name}: a slot's mean mask outside [0, 1]"
+        thin = m[(m > tolerance) & (m < least - tolerance)]
+        if thin.size:
+            return f"{name}: a slot's mean mask {thin.min():.3g} is below the least member's share {least:.3g}"
+    return None
+
+
 def slot_mean(mean: Arrays, fallback: Arrays | None) -> Arrays:
     """Every rank slot averaged over the members that have it (the group mean divided by the mean slot mask);
     a slot no contributing member has keeps ``fallback``'s value (the group's start)."""

@@ -53,7 +53,7 @@ from .clustering import (
     purity,
 )
 from .config import AtlasSection
-from .ranks import Layer, adapter_mb, allocate_ranks, complexity_scale, slot_mean
+from .ranks import Layer, adapter_mb, allocate_ranks, complexity_scale, mask_problem, slot_mean
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -289,6 +289,11 @@ class Atlas(FingerprintStrategy):
         return self.adapter_of.get(partition, self.initial[self.family_of_partition[partition]])
 
     def update(self, server_round: int, results: list[GroupResult]) -> None:
+        for result in results:
+            weights = [float(result.metrics.get(n, {}).get("num_examples", 0)) for n in result.contributors]
+            if result.mean is not None and self.ranked and (problem := mask_problem(result.mean, weights)):
+                result.aggregate_rejected, result.mean = f"atlas ranks: {problem}", None  # the group's adapter stays
+                log.error("round %d: atlas: group %s's mean refused: %s", server_round, result.name, problem)
         by_name = {r.name: r.mean for r in results if r.mean is not None}
         if self.eta:
             self._neighbour_terms(by_name)

@@ -64,6 +64,32 @@ def client_payload(
     return out
 
 
+SUM_TOLERANCE = 1e-3  # per member: float32 sums and SecAgg+'s quantisation (about 4e-6 a value with its defaults)
+
+
+def sum_problem(total: Arrays, members: int, active: np.ndarray, tolerance: float = SUM_TOLERANCE) -> str | None:
+    """Why a payload sum cannot come from ``members`` honest clients (None if it can). Each sends responsibilities
+    >= 0 summing to 1 over the active slots and a vote of 0 or 1, so the slot totals lie in [0, n], are 0 on free
+    slots and sum to n, and the votes are a whole number in [0, n]. The box and norm checks let through a member
+    that votes 8 (a birth of its own candidate every round) or sends a responsibility of -8 (a slot's mass
+    negative: every other expert pruned); the server divides by these totals, so it checks them first."""
+    slack = tolerance * members
+    totals = np.asarray(total[RESPONSIBILITY], dtype=np.float64)
+    votes = float(np.asarray(total[VOTE], dtype=np.float64).reshape(-1)[0])
+    if not np.all(np.isfinite(totals)) or not np.isfinite(votes):
+        return "the responsibility totals or the votes are not finite"
+    if not -slack <= votes <= members + slack or abs(votes - round(votes)) > slack:
+        return f"{votes:.4g} birth votes from {members} members (each votes 0 or 1)"
+    if totals.min() < -slack or totals.max() > members + slack:
+        return f"a slot's responsibility total is outside [0, {members}] ({totals.min():.4g} .. {totals.max():.4g})"
+    free = ~np.asarray(active, dtype=bool)
+    if free.any() and totals[free].max() > slack:
+        return f"free slot(s) {np.flatnonzero(free & (totals > slack)).tolist()} carry responsibility"
+    if abs(totals.sum() - members) > slack:
+        return f"the responsibility totals sum to {totals.sum():.4g}, not to the {members} members (each sums to 1)"
+    return None
+
+
 def experts_from_sum(
     total: Arrays, previous: Sequence[Arrays], min_responsibility: float = 1e-6
 ) -> tuple[list[Arrays], np.ndarray]:

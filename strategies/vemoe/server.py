@@ -33,7 +33,17 @@ from common.plots import negative_transfer, worst_client
 from ..base import WEIGHT_EQUALLY, Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
 from . import plots
 from .config import VemoeSection
-from .pool import RESPONSIBILITY, VOTE, birth_slot, experts_from_sum, merge, merge_pairs, newborn, prune
+from .pool import (
+    RESPONSIBILITY,
+    VOTE,
+    birth_slot,
+    experts_from_sum,
+    merge,
+    merge_pairs,
+    newborn,
+    prune,
+    sum_problem,
+)
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -113,6 +123,10 @@ class VEMoE(Strategy):
                 continue
             n = len(result.contributors)
             total = {k: np.asarray(v, dtype=np.float64) * n for k, v in result.mean.items()}
+            if problem := sum_problem(total, n, self.active):  # a sum no honest members send: the pool stays
+                result.aggregate_rejected = f"vemoe: {problem}"
+                log.error("round %d: vemoe: the pool's sum is refused, the pool is kept: %s", server_round, problem)
+                continue
             reserved = self._free_slot()
             self.experts, self.totals = experts_from_sum(total, self.experts)
             self._prune(server_round)
