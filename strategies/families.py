@@ -23,9 +23,14 @@ if TYPE_CHECKING:
 log = get_logger("tessera.server")
 
 
+_SAFE = re.compile(r"[A-Za-z0-9.-]")
+
+
 def family_key(model: str) -> str:
-    """A checkpoint-safe name for a base model's family ("global" state per family)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
+    """A checkpoint-safe name for a base model's family ("global" state per family), one per model name: every
+    character outside ``[A-Za-z0-9.-]``, ``_`` included, is written ``_<hex code>_``, so two names never share a key
+    (``Qwen_X`` and ``Qwen/X`` did, and one node could then be the majority of the other's family)."""
+    return "".join(ch if _SAFE.fullmatch(ch) else f"_{ord(ch):x}_" for ch in model)
 
 
 class FamilyMean(Strategy):

@@ -45,12 +45,12 @@ def test_two_model_families_are_averaged_separately_and_resume_from_a_checkpoint
     strategy = two_families()
     groups = {g.name: g for g in strategy.train_groups(1, [1, 2, 3, 4])}
     assert (
-        sorted(groups) == ["qwen_7b", "smol"]
+        sorted(groups) == ["qwen_2f_7b", "smol"]
         and groups["smol"].members == [1, 3]
-        and groups["qwen_7b"].members == [2, 4]
+        and groups["qwen_2f_7b"].members == [2, 4]
     )
     strategy.update(
-        1, [GroupResult("smol", adapter(0.25), 8.0, [1, 3]), GroupResult("qwen_7b", wide(0.75), 8.0, [2, 4])]
+        1, [GroupResult("smol", adapter(0.25), 8.0, [1, 3]), GroupResult("qwen_2f_7b", wide(0.75), 8.0, [2, 4])]
     )
     assert (
         strategy.eval_arrays(3)["x.lora_A.weight"][0, 0] == 0.25
@@ -58,7 +58,7 @@ def test_two_model_families_are_averaged_separately_and_resume_from_a_checkpoint
     )
 
     state = strategy.state_dict()
-    assert sorted(state) == ["global-qwen_7b", "global-smol"]
+    assert sorted(state) == ["global-qwen_2f_7b", "global-smol"]
     resumed = two_families()  # a restarted ServerApp: same clients, then the checkpoint
     resumed.load_state_dict(state)
     for nid in (1, 2, 3, 4):
@@ -66,14 +66,16 @@ def test_two_model_families_are_averaged_separately_and_resume_from_a_checkpoint
             resumed.eval_arrays(nid)["x.lora_A.weight"], strategy.eval_arrays(nid)["x.lora_A.weight"]
         )
     saved = {a.name: a for a in resumed.final_adapters()}
-    assert sorted(saved) == ["qwen_7b", "smol"] and saved["qwen_7b"].base_model == "qwen/7b"  # PEFT needs the real name
+    assert (
+        sorted(saved) == ["qwen_2f_7b", "smol"] and saved["qwen_2f_7b"].base_model == "qwen/7b"
+    )  # PEFT needs the real name
 
 
 def test_resume_refuses_a_checkpoint_without_every_family():
     single = FedAvg()
     single.initialise({1: ClientInfo(1, 0, "smol", adapter(0.0))})
     strategy = two_families()
-    with pytest.raises(ValueError, match="model family 'qwen_7b'"):
+    with pytest.raises(ValueError, match="model family 'qwen_2f_7b'"):
         strategy.load_state_dict({"global-smol": adapter(0.1)})
     single.load_state_dict({"global": adapter(0.3)})  # one family: the plain "global" checkpoint
     assert single.eval_arrays(1)["x.lora_A.weight"][0, 0] == np.float32(0.3)

@@ -157,13 +157,13 @@ def test_resume_restores_each_familys_global_a():
     strategy = two_families()
     strategy.update(1, [GroupResult("smol", {k: np.full((2, 5), 0.5, np.float32) for k in A_NAMES}, 8.0, [1])])
     state = strategy.state_dict()
-    assert sorted(state) == ["global-qwen_7b", "global-smol"] and all(sorted(a) == A_NAMES for a in state.values())
+    assert sorted(state) == ["global-qwen_2f_7b", "global-smol"] and all(sorted(a) == A_NAMES for a in state.values())
     resumed = two_families()
     resumed.load_state_dict(state)
     for nid in (1, 2):
         for key in A_NAMES:
             np.testing.assert_array_equal(resumed.eval_arrays(nid)[key], strategy.eval_arrays(nid)[key])
-    with pytest.raises(ValueError, match="model family 'qwen_7b'"):
+    with pytest.raises(ValueError, match="model family 'qwen_2f_7b'"):
         two_families().load_state_dict({"global-smol": state["global-smol"]})
 
 
@@ -174,7 +174,7 @@ def test_the_registry_entry_trains_lora_and_declares_the_kept_b():
     assert spec.state_keys(cfg) == (OWN_B,)
     import strategies.fedavg
 
-    assert strategies.fedavg.family_key("org/model 7b") == "org_model_7b"  # still importable from fedavg
+    assert strategies.fedavg.family_key("org/model 7b") == "org_2f_model_20_7b"  # still importable from fedavg
 
 
 # --- the client half on a real (tiny, random) model, through the ClientApp's own handlers ---------------------------

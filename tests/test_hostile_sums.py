@@ -96,3 +96,14 @@ def test_an_atlas_group_whose_mask_sum_is_refused_keeps_its_adapter_and_names_wh
     assert result.aggregate_rejected is not None and "below the least member's share" in result.aggregate_rejected
     after = strategy.eval_arrays(100)
     assert all(np.array_equal(after[k], before[k]) for k in before)  # what client 0 is sent has not moved
+
+
+def test_model_names_never_share_a_family_key():
+    from strategies.families import family_key
+
+    names = ["Qwen_X", "Qwen/X", "Qwen X", "Qwen_2f_X", "qwen/x", "smollm2-135m-instruct", "/models/a_b", "/models/a/b"]
+    assert len({family_key(n) for n in names}) == len(names)
+    assert family_key("smollm2-135m-instruct") == "smollm2-135m-instruct"  # aliases keep their state names
+    assert all(
+        set(family_key(n)) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") for n in names
+    )
