@@ -91,12 +91,15 @@ def reply_metric_specs(declared: Mapping[str, type | None]) -> dict[str, Spec]:
     return {k: Bound(float, None, None) if kind is None else ListOf(kind) for k, kind in declared.items()}
 
 
-def check_eval_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+def check_eval_metrics(metrics: Mapping[str, Any], max_examples: int | None = None) -> dict[str, Any]:
     """An evaluation reply's metrics (``check_metrics`` with ``EVAL_METRICS``); its per-example losses and token
     counts, when sent, must be lists of ``eval_examples`` finite values >= 0 (whole numbers for the counts), since a
-    comparison resamples them."""
+    comparison resamples them; ``eval_examples`` (the reply's weight in the round's mean) at most ``max_examples``,
+    what the server asked for."""
     checked = check_metrics(metrics, EVAL_METRICS, EVAL_OPTIONAL)
     n = int(checked["eval_examples"])
+    if max_examples is not None and n > max_examples:
+        raise ReplyError(f"metric 'eval_examples' = {n} is more than the {max_examples} examples asked for")
     if checked.get("eval_generated", 0) > n:
         raise ReplyError(f"metric 'eval_generated' = {checked['eval_generated']} is more than eval_examples={n}")
     for key in PER_EXAMPLE_METRICS:

@@ -94,7 +94,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
             run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
         if cfg.eval.initial:
             evaluated = round_participants(cfg, node_ids, clients, 0)[1]
-            evaluate_round(grid, cfg, strategy, run, 0, evaluated, {}, time.perf_counter())
+            evaluate_round(grid, cfg, strategy, run, 0, evaluated, {}, time.perf_counter(), _partitions(clients))
         _checkpoint(run, 0, strategy, _checkpoint_meta(cfg, node_ids))
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
@@ -125,7 +125,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         for nid, extra in report_rows.items():
             rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra)
         rows[None].update(strategy.report(), sampled=sampled)
-        evaluate_round(grid, cfg, strategy, run, server_round, evaluated, rows, started)
+        evaluate_round(grid, cfg, strategy, run, server_round, evaluated, rows, started, _partitions(clients))
         strategy.plot_round(server_round, rows[None], run.path)
         _checkpoint(run, server_round, strategy, {"nodes": node_ids, "settings": cfg.to_flat()})
 
@@ -213,6 +213,11 @@ def _admit_new_nodes(
             refused.add(nid)
             log.warning("node %d left out: %s", nid, err)
     return [nid for nid in connected if nid in clients]
+
+
+def _partitions(clients: dict[int, ClientInfo]) -> dict[int, int]:
+    """node id -> the partition it was admitted with (what its evaluation rows say, whatever a reply claims)."""
+    return {nid: info.partition_id for nid, info in clients.items()}
 
 
 def partition_holder(clients: dict[int, ClientInfo], partition_id: int, live: set[int]) -> int | None:

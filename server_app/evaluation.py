@@ -37,13 +37,22 @@ def evaluate_round(
     node_ids: list[int],
     train_rows,
     started: float,
+    partitions: dict[int, int] | None = None,
 ) -> None:
     """Evaluate ``node_ids`` with the strategy's adapters; append their rows (with ``train_rows``' training fields)
     and the round's aggregate row to the metrics file, and log the round."""
     arrays_by_node = {nid: strategy.eval_arrays(nid) for nid in node_ids}
     configs = {nid: strategy.eval_config(nid) for nid in node_ids}
+    asked = cfg.eval.examples_at(server_round, cfg.num_server_rounds)
     evaluated = evaluate_nodes(
-        grid, server_round, arrays_by_node, {"server-round": server_round}, cfg.round_timeout, configs
+        grid,
+        server_round,
+        arrays_by_node,
+        {"server-round": server_round},
+        cfg.round_timeout,
+        configs,
+        asked,
+        partitions,
     )
     rows, totals = [], {"eval_loss": 0.0, "exact_match": 0.0, "rouge_l": 0.0, "n": 0, "generated": 0}
     seconds = time.perf_counter() - started

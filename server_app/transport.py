@@ -193,9 +193,13 @@ def evaluate_nodes(
     config: dict[str, Any],
     timeout: float,
     config_by_node: dict[int, dict[str, Any]] | None = None,
+    max_examples: int | None = None,
+    partitions: dict[int, int] | None = None,
 ) -> dict[int, dict | str]:
     """Federated evaluation: each node evaluates its adapter on its held-out split; metrics or a reason per node.
-    ``config_by_node`` adds to ``config`` per node (e.g. the shapes of what ATLAS sends that node)."""
+    ``config_by_node`` adds to ``config`` per node (e.g. the shapes of what ATLAS sends that node); a reply is
+    refused when it evaluated more than ``max_examples`` or names another partition than ``partitions`` (node ->
+    the partition it was admitted with) holds for it."""
     messages = [
         Message(
             eval_instruction(arrays, {**config, **(config_by_node or {}).get(nid, {})}),
@@ -208,7 +212,10 @@ def evaluate_nodes(
     out: dict[int, dict | str] = {}
     for nid, reply in _send(grid, messages, timeout).items():
         try:
-            out[nid] = check_eval_metrics(read_metrics(_content(reply)))
+            metrics = check_eval_metrics(read_metrics(_content(reply)), max_examples)
+            if partitions and nid in partitions and metrics["partition-id"] != partitions[nid]:
+                raise ReplyError(f"partition-id {metrics['partition-id']}: admitted as partition {partitions[nid]}")
+            out[nid] = metrics
         except Exception as err:  # a bad evaluation reply loses only this node's row
             out[nid] = str(err) if isinstance(err, ReplyError) else f"malformed reply: {err!r}"
             log.warning("round %d: evaluation by node %d failed: %s", server_round, nid, out[nid])

@@ -329,3 +329,22 @@ def test_a_second_node_claiming_a_partition_is_left_out_not_the_run():
     cfg = load_run_config({"round-timeout": 1.0})
     assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [1, 7]) == [1] and refused == {7}
     assert _admit_new_nodes(grid, cfg, strategy, clients, refused, [8]) == [8] and clients[8].partition_id == 0
+
+
+def test_an_evaluation_reply_claiming_more_examples_or_another_partition_loses_only_its_row():
+    """eval_examples weighs a reply in the round's mean and the row's partition id names the client: a reply may not
+    claim more examples than the server asked for, nor another partition than the node was admitted with."""
+    from common.records import metrics_reply
+    from server_app.transport import evaluate_nodes
+
+    good_eval = {"eval_loss": 2.0, "exact_match": 0.5, "rouge_l": 0.5, "eval_examples": 8}
+    behaviour = {
+        1: lambda content: metrics_reply({**good_eval, "partition-id": 0}),
+        2: lambda content: metrics_reply({**good_eval, "partition-id": 1, "eval_examples": 10**9}),
+        3: lambda content: metrics_reply({**good_eval, "partition-id": 0}),  # node 3 was admitted as partition 2
+    }
+    grid = InMemoryGrid(behaviour)
+    out = evaluate_nodes(grid, 1, {n: START for n in behaviour}, {}, 1.0, None, 8, {1: 0, 2: 1, 3: 2})
+    assert out[1]["eval_loss"] == 2.0
+    assert "more than the 8 examples asked for" in out[2]
+    assert "admitted as partition 2" in out[3]
