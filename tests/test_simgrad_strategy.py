@@ -158,3 +158,13 @@ def test_a_client_that_sits_out_a_sampled_round_keeps_its_mix_and_weighs_in_no_o
     for i in range(3):
         expected = sum(w[i, j] * updates[j]["block0.q_proj.P"] for j in range(3))
         np.testing.assert_allclose(strategy.eval_arrays(100 + i)["block0.q_proj.P"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_one_members_salience_cannot_choose_its_groups_blocks_alone():
+    """Salience counts as each member's shares of its own total: a member reporting 1e300 on one block has the
+    say of one member, not of all (a review had it choose its SecAgg+ group's blocks)."""
+    strategy = SimGrad(SimGradSection(route_budget=1, mixing="uniform", min_group_size=3), secure=True)
+    strategy.initialise(clients(3))
+    strategy.observe_reports(1, reports(3, salience=[[4.0, 1.0], [4.0, 1.0], [0.0, 1e300]]))
+    (group,) = strategy.train_groups(1, [100, 101, 102])
+    assert group.config["active-blocks"] == "0"  # shares: block 0 has 0.8 + 0.8, block 1 0.2 + 0.2 + 1

@@ -153,8 +153,12 @@ class SimGrad(Strategy):
         else:
             self.groups = [[i] for i in range(n)]
         salience = np.stack([np.asarray(reports[nid].salience, dtype=np.float64) for nid in self.nodes])
+        # each member's salience as shares of its own total: one member's say in its group's blocks is bounded (a
+        # salience of 1e300 chose the group's blocks alone)
+        totals = salience.sum(axis=1, keepdims=True)
+        shares = np.divide(salience, totals, out=np.zeros_like(salience), where=totals > 0)
         budget = self.cfg.route_budget
-        self.active = [route_blocks(salience[g].sum(axis=0), budget) for g in self.groups]
+        self.active = [route_blocks(shares[g].sum(axis=0), budget) for g in self.groups]
         log.info(
             "round %d: relevance over %d clients; groups %s; active blocks %s",
             server_round,
