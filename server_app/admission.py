@@ -77,10 +77,14 @@ class Admission:
                 counts = Counter(digests[n] for n in nids)
                 (best, votes), *rest = counts.most_common()
                 if rest and votes == rest[0][1]:  # no majority: nothing tells the honest adapter apart
-                    raise ValueError(
+                    # the model's clients sit this admission out (a later one, with more of them, may agree); one
+                    # hostile client of a model with two no longer stops the run of every other model
+                    why = (
                         f"the {len(nids)} clients of model {model!r} sent {len(counts)} different initial adapters "
-                        f"with no majority; clients of one model must build the same seeded adapter"
+                        "with no majority; clients of one model must build the same seeded adapter"
                     )
+                    left_out.update({nid: why for nid in nids})
+                    continue
                 self.start_digest[model] = best
             for nid in nids:
                 if digests[nid] != self.start_digest[model]:
