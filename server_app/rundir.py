@@ -50,6 +50,11 @@ class CheckpointError(OSError):
     system's (ENOSPC, ...)."""
 
 
+class MetricsError(OSError):
+    """Rows could not be written to ``metrics.jsonl``; the file is left as it was before the write (no torn line).
+    ``errno`` is the system's (ENOSPC, ...)."""
+
+
 def _os_error(kind: type[OSError], message: str, cause: OSError) -> OSError:
     """``kind(message)`` carrying ``cause``'s errno (its ``str`` is the message alone)."""
     err = kind(message)
@@ -90,9 +95,22 @@ class RunDirectory:
 
     # metrics -------------------------------------------------------------------------------------------------
     def append_metrics(self, rows: list[dict[str, Any]]) -> None:
-        with open(self.metrics_path, "a") as handle:
-            for row in rows:
-                handle.write(json.dumps(_jsonable(row)) + "\n")
+        """Append ``rows`` as whole lines; if the disk refuses (full, ...), the file is cut back to where it was and
+        ``MetricsError`` names it: the round's rows are written whole or not at all, and the round is not
+        checkpointed, so ``resume=true`` redoes it once there is space."""
+        text = "".join(json.dumps(_jsonable(row)) + "\n" for row in rows)
+        size = self.metrics_path.stat().st_size if self.metrics_path.exists() else 0
+        try:
+            with open(self.metrics_path, "a") as handle:
+                handle.write(text)
+                handle.flush()
+        except OSError as err:
+            try:
+                with open(self.metrics_path, "r+b") as handle:
+                    handle.truncate(size)
+            except OSError as cut:
+                log.error("metrics: could not cut %s back to %d bytes: %s", self.metrics_path, size, cut)
+            raise _os_error(MetricsError, _metrics_message(self.metrics_path, "rows not written", err), err) from err
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -114,8 +132,15 @@ class RunDirectory:
         """Drop rows of rounds after ``last_round`` (a crash between metrics and checkpoint leaves such rows)."""
         kept = [r for r in self.read_metrics() if r["round"] <= last_round]
         tmp = self.metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.metrics_path)
+        try:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.metrics_path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            message = _metrics_message(
+                self.metrics_path, f"rows after round {last_round} not dropped (kept as they were)", err
+            )
+            raise _os_error(MetricsError, message, err) from err
 
     # checkpoint ----------------------------------------------------------------------------------------------
     def save_checkpoint(
@@ -325,3 +350,10 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
             value = None
         out[key] = value
     return out
+
+
+def _metrics_message(path: Path, what: str, err: OSError) -> str:
+    message = f"{path}: {what}: {err}"
+    if err.errno in _FULL:
+        message += " (its disk is full: free space, then resume=true continues from the last checkpoint)"
+    return message

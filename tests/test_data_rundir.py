@@ -311,3 +311,54 @@ def test_a_full_disk_at_any_step_of_a_checkpoint_keeps_the_previous_round(tmp_pa
         assert _on_disk(run) == [fallback, f"state-{next_round:05d}.npz", "state.json", "state.prev.json"], fail_at
         assert run.load_checkpoint()[0]["round"] == next_round, fail_at
     assert outcomes.count(2) >= steps  # only a failure after state.json was renamed (its fsync) keeps round 3
+
+
+def test_a_full_disk_while_writing_metrics_leaves_no_torn_line_and_names_the_fix(tmp_path, monkeypatch):
+    """The disk fills up in the middle of a round's rows: metrics.jsonl is cut back to the rows before them (a torn
+    line would break every reader), and the error names the file and what to do; a resume's truncation that fails
+    keeps the file as it was."""
+    import builtins
+    import errno
+
+    import server_app.rundir as rundir
+    from server_app.rundir import MetricsError
+
+    run = RunDirectory(tmp_path / "run")
+    run.append_metrics([{"round": 1, "node": 1, "eval_loss": 1.0}])
+    before = run.metrics_path.read_bytes()
+
+    class HalfWrite:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, text):
+            self.handle.write(text[: len(text) // 2])
+            self.handle.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        handle = builtins.open(path, mode, *args, **kwargs)
+        return HalfWrite(handle) if mode == "a" else handle
+
+    monkeypatch.setattr(rundir, "open", full_disk_open, raising=False)
+    with pytest.raises(MetricsError, match="free space") as raised:
+        run.append_metrics([{"round": 2, "node": n, "eval_loss": 2.0, "pad": "x" * 500} for n in range(4)])
+    assert str(run.metrics_path) in str(raised.value) and raised.value.errno == errno.ENOSPC
+    assert run.metrics_path.read_bytes() == before  # no torn line
+    monkeypatch.undo()
+    run.append_metrics([{"round": 2, "node": 1, "eval_loss": 2.0}])  # space again: it goes on
+    assert [r["round"] for r in run.read_metrics()] == [1, 2]
+
+    def no_replace(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "replace", no_replace)
+    with pytest.raises(MetricsError, match="rows after round 1 not dropped"):
+        run.truncate_metrics_after(1)
+    assert [r["round"] for r in run.read_metrics()] == [1, 2] and not run.metrics_path.with_suffix(".tmp").exists()
