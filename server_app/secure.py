@@ -274,6 +274,7 @@ class _ScreenedGrid:
         configs = reply.content.config_records.get(RECORD_KEY_CONFIGS)
         if configs is None:
             return None
+        # each part the reply carries is screened (a reply carrying both is not let through on its first part)
         if Key.MASKED_PARAMETERS in configs:
             problem = masked_vector_problem(cast(list, configs[Key.MASKED_PARAMETERS]), self._length, MODULUS_RANGE)
             if problem is None:
@@ -283,7 +284,8 @@ class _ScreenedGrid:
                     compat.recorddict_to_fitres(reply.content, True)
                 except Exception as err:
                     problem = f"its FitRes cannot be read: {err!r}"[:300]
-            return problem
+            if problem is not None:
+                return problem
         if Key.NODE_ID_LIST in configs:  # unmask stage: shares of the nodes it names
             nodes, shares = configs.get(Key.NODE_ID_LIST), configs.get(Key.SHARE_LIST)
             if not isinstance(nodes, list) or not isinstance(shares, list) or len(nodes) != len(shares):

@@ -322,3 +322,30 @@ def test_the_reconstruction_threshold_never_lets_fewer_than_three_finish():
             for threshold in (0.1, 0.5, 0.67, 1.0):
                 needed = reconstruction_threshold(size, shares, threshold)
                 assert 3 <= needed <= flower_shares_and_threshold(size, shares, threshold)[0]
+
+
+def test_a_reply_carrying_a_good_masked_vector_and_foreign_shares_is_screened_on_both(task_identity):
+    """The screen looked at the masked vector and let the reply through without looking at the share list beside
+    it; each part a reply carries is screened now."""
+    import io
+
+    from flwr.app import ConfigRecord, Message
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    from common.records import train_reply
+    from server_app.secure import _ScreenedGrid
+
+    def blob(array):
+        out = io.BytesIO()
+        np.save(out, array)
+        return out.getvalue()
+
+    content = train_reply({"w": np.zeros(3, np.float32)}, 2, {"train_loss": 1.0})
+    masked = [blob(np.array([1], np.int64)), blob(np.arange(4, dtype=np.int64))]
+    configs = {Key.MASKED_PARAMETERS: masked}
+    screen = _ScreenedGrid(None, 4, [1, 2, 3], "test")
+    content[RECORD_KEY_CONFIGS] = ConfigRecord(configs)
+    assert screen._problem(Message(content, dst_node_id=1, message_type="train")) is None  # the vector alone passes
+    content[RECORD_KEY_CONFIGS] = ConfigRecord({**configs, Key.NODE_ID_LIST: [999], Key.SHARE_LIST: [b"x"]})
+    problem = screen._problem(Message(content, dst_node_id=1, message_type="train"))
+    assert problem is not None and "outside the group" in problem
