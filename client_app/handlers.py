@@ -39,7 +39,7 @@ from common.records import (
     report_reply,
     train_reply,
 )
-from common.reply_checks import clip_update
+from common.reply_checks import clip_update, update_norm
 from common.training import round_learning_rate, train_round
 from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, WEIGHT_BY, WEIGHT_BY_EXAMPLES
 from strategies.client import save_whole_adapter
@@ -132,6 +132,10 @@ def train(msg: Message, context: Context) -> Message:
     metrics.update(strategy_metrics)
     metrics.update(rt.identity())
     weight = rt.strategy.member_weight(str(config.get(WEIGHT_BY, WEIGHT_BY_EXAMPLES)), metrics)
+    received = arrays or {}
+    # how far the update moved from what was sent (L2): the train row's update_norm (plain mode: the server
+    # measures it itself), from which an operator can choose robust.max-update-norm
+    metrics["update_norm"] = update_norm(updated, {k: received.get(k, np.zeros_like(v)) for k, v in updated.items()})
     if SECAGG_CLIP in config:  # secure mode: how many values SecAgg+ will clamp to its range after weighting
         # Flower's SecAgg+ only warns when a weight exceeds its max_weight (the quantised sum can then wrap), and
         # the server refuses a group whose reported weight is over it: an honest member caps its own.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -304,6 +305,7 @@ def _train_rows(
                 "bytes_up": metrics.get("bytes_up", 0),
                 "bytes_down": metrics.get("bytes_down", 0),
                 "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),
+                "update_norm": metrics.get("update_norm"),  # L2 from what it was sent (secure: the member's word)
                 "accepted": nid in result.contributors,
                 **{k: metrics[k] for k in TRAIN_GUARD_METRICS if k in metrics},  # what it kept of what it was sent
                 **{k: metrics[k] for k in extra if k in metrics},  # typed where the reply was checked
@@ -318,6 +320,11 @@ def _train_rows(
         rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
         if result.aggregate_rejected:  # a secure group's aggregate refused as a whole (server_app.secure)
             rows[None].setdefault("aggregates_rejected", {})[result.name] = result.aggregate_rejected
+    norms = [
+        r["update_norm"] for n, r in rows.items() if n is not None and r["accepted"] and r["update_norm"] is not None
+    ]
+    if norms:  # what honest updates look like this round: robust.max-update-norm is chosen against it
+        rows[None]["update_norm_median"] = float(np.median(norms))
     return rows
 
 

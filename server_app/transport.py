@@ -45,6 +45,7 @@ from common.reply_checks import (
     check_update,
     check_weight,
     clip_update,
+    update_norm,
 )
 from server_app.admission import read_identity
 from strategies.aggregation import weighted_mean
@@ -166,6 +167,9 @@ def _accept_train_reply(
     metrics = check_metrics(metrics, limits.train_metrics, limits.optional_metrics)
     n, capped = check_weight(count, cap)
     arrays = check_update(arrays, start, limits.max_update_norm)
+    # the update's L2 distance from what the member was sent, measured here (the member's own word is replaced):
+    # the train row's update_norm, from which robust.max-update-norm can be chosen
+    metrics["update_norm"] = update_norm(arrays, start)
     notes = [f"num_examples {count} capped at {n}"] if capped else []
     if limits.clip_norm is not None:
         arrays, clipped = clip_update(arrays, start, limits.clip_norm)

@@ -348,3 +348,23 @@ def test_an_evaluation_reply_claiming_more_examples_or_another_partition_loses_o
     assert out[1]["eval_loss"] == 2.0
     assert "more than the 8 examples asked for" in out[2]
     assert "admitted as partition 2" in out[3]
+
+
+def test_every_accepted_update_has_its_norm_measured_by_the_server_and_the_round_its_median():
+    """robust.max-update-norm is the hostile member's budget; to choose it an operator needs what honest updates
+    look like: each train row has the update's L2 distance from what was sent (measured by the server in plain
+    mode, whatever the member claims) and the round's row their median."""
+    from server_app.app import _train_rows
+
+    behaviour = {
+        1: good(1.0, 10),
+        2: lambda a: train_reply({k: v + 3.0 for k, v in a.items()}, 10, {**METRICS, "update_norm": 0.0}),  # lies
+    }
+    grid = InMemoryGrid(behaviour)
+    (result,) = train_groups_plain(grid, 1, [Group("all", {n: START for n in behaviour})], {}, 1.0, limits=LIMITS)
+    size = sum(v.size for v in START.values())
+    assert result.metrics[1]["update_norm"] == pytest.approx(np.sqrt(size))
+    assert result.metrics[2]["update_norm"] == pytest.approx(3 * np.sqrt(size))  # measured, not the member's word
+    rows = _train_rows([result], 0.0, {})
+    assert rows[1]["update_norm"] == pytest.approx(np.sqrt(size))
+    assert rows[None]["update_norm_median"] == pytest.approx(2 * np.sqrt(size))
