@@ -20,14 +20,16 @@ Everything in front of authentication (which is the SuperLink's, per node) is bo
 exhaust the host:
 
 - ``--max-connections`` (512): open sockets, counted from the TCP accept (TLS handshakes included); a socket over it
-  is closed at once, before any TLS state is allocated;
+  is closed at once, before any TLS state is allocated; ``--max-per-address`` (64) of them from one client address;
 - ``--header-timeout`` (10 s): a connection must finish its TLS handshake and send complete request headers within
   this time of being accepted, or of its previous response (keep-alive); otherwise it is closed;
 - request headers: at most 64 KiB (``MAX_HEADER_BYTES``): larger ones get 400 and the connection is closed;
 - ``--max-body-mb`` (64 MiB; Flower sends arrays in 5 MB chunks): a larger ``Content-Length`` gets 413 before any
   of the body is read, and a chunked body is counted as it arrives and refused (413) as soon as it passes the cap;
-- ``--body-timeout`` (120 s): a body that sends no byte for this long, or is not complete within 10 times it
-  (``BODY_TOTAL_FACTOR``), gets 408 (a 4 MiB body takes 30-40 s on a 1 Mbit/s link with 5 % loss);
+- ``--max-bodies-mb`` (1024 MiB): the bodies being read at once, all connections together (each held as the chunks
+  it came in, forwarded without a copy); a chunk that would pass it gets 503 and the node retries;
+- ``--body-timeout`` (120 s): a body that sends no byte for this long gets 408, and so does one not complete within
+  ``--body-deadline`` (300 s; a 4 MiB body takes 30-40 s on a 1 Mbit/s link with 5 % loss);
 - a response draining to a slow client is given time while it makes progress (a 4 MiB response at 1 Mbit/s takes
   30 s); one that makes none for ``--header-timeout`` (a client that stopped reading) is cut;
 - idle keep-alive connections are closed after 5 s (``KEEP_ALIVE_S``);
@@ -48,6 +50,7 @@ import logging
 import re
 import ssl
 from asyncio import sslproto
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -84,9 +87,13 @@ REFUSED = (
 
 MIB = 1024 * 1024
 MAX_BODY = 64 * MIB
-BODY_TIMEOUT = 120.0  # the longest a body may stall (no byte); the whole body: BODY_TOTAL_FACTOR times it
-BODY_TOTAL_FACTOR = 10
+# every body being read at once, together: 512 connections x 64 MiB would be 32 GiB (a review held 244 MiB with four
+# stalled 60 MiB bodies); a chunk that would pass it gets 503 (the node retries, as it would a busy SuperLink)
+MAX_BODIES_TOTAL = 1024 * MIB
+BODY_TIMEOUT = 120.0  # the longest a body may stall (no byte)
+BODY_DEADLINE = 300.0  # the longest a whole body may take: Flower's 5 MB chunks take 30-50 s at 1 Mbit/s, 5 % loss
 MAX_CONNECTIONS = 512
+MAX_CONNECTIONS_PER_ADDRESS = 64  # one host cannot hold every socket (the others' nodes locked out)
 HEADER_TIMEOUT = 10.0
 MAX_HEADER_BYTES = 64 * 1024
 KEEP_ALIVE_S = 5
@@ -127,31 +134,60 @@ def _refuse(status: int, text: str, peer: str, why: str) -> _BodyRefused:
     return _BodyRefused(PlainTextResponse(f"tessera fleet gate: {text}\n", status, headers={"Connection": "close"}))
 
 
-async def _read_body(request: Request, peer: str, max_body: int, timeout: float) -> bytes:
-    """The request body, read only up to ``max_body`` bytes and within ``timeout`` seconds."""
+class BodyBudget:
+    """The bytes of request bodies the gate holds at once, across connections, and their cap."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+
+    def take(self, size: int) -> bool:
+        """Hold ``size`` more bytes if that stays within the cap."""
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+async def _read_body(
+    request: Request, peer: str, max_body: int, timeout: float, budget: BodyBudget, held: list[bytes], deadline: float
+) -> None:
+    """The request body into ``held`` (its chunks as they came: nothing is copied), read only up to ``max_body``
+    bytes, with no silence of ``timeout`` seconds, within ``deadline`` seconds in all, and while every body held at
+    once stays within ``budget`` (the caller gives the held bytes back)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > max_body:
         raise _refuse(413, f"body over {max_body} bytes", peer, f"Content-Length {declared} > {max_body} (413)")
 
-    async def read() -> bytes:
-        body = bytearray()
+    async def read() -> None:
+        size = 0
         chunks = request.stream().__aiter__()
         while True:
             try:  # a slow link is not a stalled one: the limit is on silence, the total below
                 chunk = await asyncio.wait_for(chunks.__anext__(), timeout)
             except StopAsyncIteration:
-                return bytes(body)
+                return
             except asyncio.TimeoutError:
                 raise _refuse(408, "body stalled", peer, f"no body bytes for {timeout:g} s (408)") from None
-            body += chunk
-            if len(body) > max_body:
+            size += len(chunk)
+            if size > max_body:
                 raise _refuse(413, f"body over {max_body} bytes", peer, f"body over {max_body} bytes (413)")
+            if not budget.take(len(chunk)):
+                why = f"the bodies held at once would pass {budget.limit} bytes (--max-bodies-mb) (503)"
+                raise _refuse(503, "busy, retry", peer, why)
+            held.append(chunk)
 
     try:
-        return await asyncio.wait_for(read(), BODY_TOTAL_FACTOR * timeout)
+        await asyncio.wait_for(read(), deadline)
     except asyncio.TimeoutError:
-        total = BODY_TOTAL_FACTOR * timeout
-        raise _refuse(408, "body too slow", peer, f"body not complete within {total:g} s (408)") from None
+        raise _refuse(408, "body too slow", peer, f"body not complete within {deadline:g} s (408)") from None
+
+
+async def _chunks(held: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in held:
+        yield chunk
 
 
 def gate_app(
@@ -162,9 +198,12 @@ def gate_app(
     max_body: int = MAX_BODY,
     body_timeout: float = BODY_TIMEOUT,
     transport: httpx.AsyncBaseTransport | None = None,
+    max_bodies: int = MAX_BODIES_TOTAL,
+    body_deadline: float = BODY_DEADLINE,
 ) -> ASGIApp:
     """An ASGI app forwarding Fleet API calls to ``superlink`` (host:port, TLS verified with ``ca_file``).
     ``transport`` replaces httpx's network transport (tests: ``httpx.MockTransport``)."""
+    budget = BodyBudget(max_bodies)
     verify: str | bool = str(ca_file) if ca_file is not None else True
     client = httpx.AsyncClient(  # trust_env=False: no HTTPS_PROXY or the like between the gate and its SuperLink
         base_url=f"https://{superlink}", verify=verify, timeout=timeout, transport=transport, trust_env=False
@@ -176,17 +215,27 @@ def gate_app(
         if request.method != "POST" or not FLEET_PATH.match(request.url.path):
             log.warning("refused %s: %s %r (403)", peer, request.method[:20], request.url.path[:200])
             return PlainTextResponse(REFUSED, status_code=403, headers={"Connection": "close"})
+        held: list[bytes] = []
         try:
-            body = await _read_body(request, peer, max_body, body_timeout)
-        except _BodyRefused as refused:
-            return refused.response
-        except ClientDisconnect:
-            return Response(status_code=400)  # nobody is left to read it
-        headers = [*_end_to_end(request.headers.raw), (b"x-forwarded-for", host.encode("latin-1"))]
-        try:
-            upstream = await client.post(request.url.path, content=body, headers=headers)
-        except httpx.HTTPError as err:  # the SuperLink is down or restarting: the node retries, as it would
-            return PlainTextResponse(f"tessera fleet gate: SuperLink unreachable: {err}\n", status_code=503)
+            try:
+                await _read_body(request, peer, max_body, body_timeout, budget, held, body_deadline)
+            except _BodyRefused as refused:
+                return refused.response
+            except ClientDisconnect:
+                return Response(status_code=400)  # nobody is left to read it
+            size = sum(len(chunk) for chunk in held)
+            headers = [
+                *_end_to_end(request.headers.raw),
+                (b"x-forwarded-for", host.encode("latin-1")),
+                (b"content-length", str(size).encode()),  # the chunks go on as they came, never joined
+            ]
+            try:
+                upstream = await client.post(request.url.path, content=_chunks(held), headers=headers)
+            except httpx.HTTPError as err:  # the SuperLink is down or restarting: the node retries, as it would
+                return PlainTextResponse(f"tessera fleet gate: SuperLink unreachable: {err}\n", status_code=503)
+        finally:
+            budget.give(sum(len(chunk) for chunk in held))
+            held.clear()
         back = _end_to_end(upstream.headers.raw)
         kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in back if k.lower() != b"content-encoding"}
         return Response(upstream.content, status_code=upstream.status_code, headers=kept)
@@ -201,6 +250,7 @@ class GateProtocol(H11Protocol):
 
     tls: ClassVar[ssl.SSLContext | None] = None
     max_connections: ClassVar[int] = MAX_CONNECTIONS
+    max_per_address: ClassVar[int] = MAX_CONNECTIONS_PER_ADDRESS
     header_timeout: ClassVar[float] = HEADER_TIMEOUT
     live: ClassVar[set[GateProtocol]] = set()
     refused: ClassVar[int] = 0  # sockets refused at the cap since the last warning about it
@@ -208,7 +258,7 @@ class GateProtocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.peer = "unknown"
+        self.peer = self.host = "unknown"
         self.raw: asyncio.Transport | None = None
         self.deadline: asyncio.TimerHandle | None = None
         self.handshake: asyncio.Task[None] | None = None
@@ -220,9 +270,14 @@ class GateProtocol(H11Protocol):
         assert isinstance(transport, asyncio.Transport)
         peername = transport.get_extra_info("peername")
         self.peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
+        self.host = str(peername[0]) if isinstance(peername, tuple) else self.peer
         if len(self.live) >= self.max_connections:
             transport.abort()
-            self._log_refused_at_cap()
+            self._log_refused_at_cap(f"{len(self.live)} connections open (--max-connections)")
+            return
+        if sum(1 for c in self.live if c.host == self.host) >= self.max_per_address:
+            transport.abort()  # one host holding every socket would lock the other nodes out
+            self._log_refused_at_cap(f"{self.max_per_address} connections open from {self.host} (--max-per-address)")
             return
         self.live.add(self)
         self.raw = transport
@@ -233,13 +288,13 @@ class GateProtocol(H11Protocol):
         transport.pause_reading()  # start_tls takes the socket over before a byte of the ClientHello is read
         self.handshake = self.loop.create_task(self._start_tls(transport, self.tls))
 
-    def _log_refused_at_cap(self) -> None:
+    def _log_refused_at_cap(self, why: str) -> None:
         cls = type(self)
         cls.refused += 1
         now = self.loop.time()
         if now - cls.refused_logged_at >= 1.0:  # a line a second at most: such refusals cost a flood nothing
             others = f" and {cls.refused - 1} other sockets since the last such line" if cls.refused > 1 else ""
-            log.warning("refused %s%s: %d connections open (--max-connections)", self.peer, others, len(self.live))
+            log.warning("refused %s%s: %s", self.peer, others, why)
             cls.refused, cls.refused_logged_at = 0, now
 
     async def _start_tls(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
@@ -326,6 +381,7 @@ def gate_protocol(
     tls: ssl.SSLContext | None,
     max_connections: int = MAX_CONNECTIONS,
     header_timeout: float = HEADER_TIMEOUT,
+    max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
 ) -> type[GateProtocol]:
     """A ``GateProtocol`` class with these limits and its own count of open connections."""
 
@@ -333,6 +389,7 @@ def gate_protocol(
         pass
 
     Configured.tls, Configured.max_connections, Configured.header_timeout = tls, max_connections, header_timeout
+    Configured.max_per_address = max_per_address
     Configured.live = set()
     return Configured
 
@@ -350,6 +407,7 @@ def gate_server(
     tls: ssl.SSLContext | None,
     max_connections: int = MAX_CONNECTIONS,
     header_timeout: float = HEADER_TIMEOUT,
+    max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
 ) -> uvicorn.Server:
     """The uvicorn server for ``app``: h11 with ``GateProtocol`` (uvicorn has no header deadline and its
     ``limit_concurrency`` only answers 503 to requests, never refusing a socket), plain asyncio loop, no proxy
@@ -362,7 +420,7 @@ def gate_server(
         port=port,
         loop="asyncio",
         ws="none",  # a WebSocket upgrade would hand the socket to another protocol, out of the gate's count
-        http=gate_protocol(tls, max_connections, header_timeout),
+        http=gate_protocol(tls, max_connections, header_timeout, max_per_address),
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         timeout_keep_alive=KEEP_ALIVE_S,
         proxy_headers=False,
@@ -405,6 +463,24 @@ def main(argv: list[str] | None = None) -> None:
         "--max-connections", type=_positive(int), default=MAX_CONNECTIONS, help="open sockets cap; default %(default)s"
     )
     parser.add_argument(
+        "--max-per-address",
+        type=_positive(int),
+        default=MAX_CONNECTIONS_PER_ADDRESS,
+        help="open sockets cap per client address; default %(default)s",
+    )
+    parser.add_argument(
+        "--max-bodies-mb",
+        type=_positive(int),
+        default=MAX_BODIES_TOTAL // MIB,
+        help="request bodies held at once, all connections together, MiB (503); default %(default)s",
+    )
+    parser.add_argument(
+        "--body-deadline",
+        type=_positive(float),
+        default=BODY_DEADLINE,
+        help="seconds a whole request body may take (408); default %(default)s",
+    )
+    parser.add_argument(
         "--header-timeout",
         type=_positive(float),
         default=HEADER_TIMEOUT,
@@ -414,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
         "--body-timeout",
         type=_positive(float),
         default=BODY_TIMEOUT,
-        help="seconds for a request body; default %(default)s",
+        help="seconds a request body may send nothing (408); default %(default)s",
     )
     args = parser.parse_args(argv)
     for name in ("ca.crt", "server.pem", "server.key"):
@@ -423,10 +499,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     host, port = args.listen
     app = gate_app(
-        args.superlink, args.certs / "ca.crt", max_body=args.max_body_mb * MIB, body_timeout=args.body_timeout
+        args.superlink,
+        args.certs / "ca.crt",
+        max_body=args.max_body_mb * MIB,
+        body_timeout=args.body_timeout,
+        max_bodies=args.max_bodies_mb * MIB,
+        body_deadline=args.body_deadline,
     )
     tls = tls_context(args.certs / "server.pem", args.certs / "server.key")
-    gate_server(app, host, port, tls, args.max_connections, args.header_timeout).run()
+    gate_server(app, host, port, tls, args.max_connections, args.header_timeout, args.max_per_address).run()
 
 
 if __name__ == "__main__":

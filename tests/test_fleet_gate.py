@@ -164,8 +164,8 @@ def test_a_chunked_body_under_the_cap_is_forwarded_whole():
 
 def test_a_stalled_body_is_refused_a_slow_one_is_not():
     """A slow link (a chunk every 0.1 s, 1 s in all, over the 0.3 s timeout) is served; a body that stalls for the
-    timeout, or trickles past 10 times it, is refused with 408 and never forwarded."""
-    app, upstream = app_and_upstream(body_timeout=0.3)
+    timeout, or trickles past the whole-body deadline (--body-deadline), is refused with 408 and never forwarded."""
+    app, upstream = app_and_upstream(body_timeout=0.3, body_deadline=3.0)
     slow = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=10, size=10, delay=0.1), headers=AUTH)
     assert slow.status_code == 200 and len(upstream.requests) == 1
     stalled = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=2, size=10, delay=0.5), headers=AUTH)
@@ -361,3 +361,95 @@ def test_over_tls_a_fleet_post_passes_and_a_silent_handshake_is_cut(tmp_path: Pa
         assert time.monotonic() - start < 2.5
         silent.close()
         wrapped.close()
+
+
+def test_the_bodies_held_at_once_are_capped_across_connections_and_given_back(caplog):
+    """Stalled bodies held memory per connection only (512 x 64 MiB); now every body being read counts against one
+    budget: a chunk that would pass it gets 503 and nothing of it is held, and a finished body gives its bytes back."""
+    from deploy.fleet_gate import BodyBudget
+
+    caplog.set_level(logging.WARNING, logger="tessera.gate")
+    app, upstream = app_and_upstream(max_bodies=3 << 20)
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app, client=CLIENT)
+        async with httpx.AsyncClient(transport=transport, base_url="https://gate") as client:
+            slow = [Body(chunks=2, delay=0.3) for _ in range(2)]  # 2 MiB each, the second MiB after 0.3 s
+            return await asyncio.gather(*(client.post("/v1/fleet/push-object", content=b, headers=AUTH) for b in slow))
+
+    first, second = asyncio.run(go())
+    assert sorted([first.status_code, second.status_code]) == [200, 503]  # 4 MiB at once would pass the 3 MiB cap
+    assert any("--max-bodies-mb" in r.getMessage() for r in caplog.records), caplog.text
+    again = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=2), headers=AUTH)
+    assert again.status_code == 200  # the bytes of both bodies were given back
+    assert upstream.requests[-1].content == b"".join(bytes([i]) * (1 << 20) for i in range(2))
+    budget = BodyBudget(10)
+    assert budget.take(6) and not budget.take(5) and budget.held == 6
+
+
+def test_one_address_cannot_hold_every_socket(caplog):
+    """A host holding --max-per-address sockets gets no more, while another address still gets served (one host
+    with 512 silent sockets locked every node out)."""
+    app, _ = app_and_upstream()
+    caplog.set_level(logging.WARNING, logger="tessera.gate")
+    with running_gate(app, max_connections=10, max_per_address=2, header_timeout=5.0) as port:
+        first, second = connect(port), connect(port)
+        time.sleep(0.2)
+        with connect(port) as third:
+            read_until_closed(third, 1.0)  # 127.0.0.1 holds its 2: closed at once
+        other_address = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.2", 0))
+        with other_address as other:  # another client address (loopback has all of 127/8)
+            assert request(other).startswith(b"HTTP/1.1 403")  # served (403: not a Fleet path)
+        assert request(first).startswith(b"HTTP/1.1 403")
+        first.close()
+        second.close()
+    assert any("--max-per-address" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def _gate_rss_growth(stalled: int, body_mb: int, **limits) -> float:
+    """MiB the process grows by while ``stalled`` connections each send ``body_mb`` MiB of a body one byte longer,
+    then stall (the gate runs in this process)."""
+    import psutil
+
+    app, _ = app_and_upstream(max_body=(body_mb + 1) << 20, **limits)
+    process = psutil.Process()
+    with running_gate(app, max_connections=2 * stalled, max_per_address=2 * stalled) as port:
+        time.sleep(0.2)
+        before = process.memory_info().rss
+        sockets, chunk = [], b"x" * (1 << 20)
+        for _ in range(stalled):
+            sock = connect(port)
+            head = f"POST /v1/fleet/push-object HTTP/1.1\r\nHost: gate\r\nContent-Length: {(body_mb << 20) + 1}\r\n\r\n"
+            sock.sendall(head.encode())
+            with contextlib.suppress(OSError):  # refused (503) part-way: the gate closed it
+                for _ in range(body_mb):
+                    sock.sendall(chunk)
+            sockets.append(sock)
+        time.sleep(1.0)  # every byte sent has been read
+        grown = (process.memory_info().rss - before) / (1 << 20)
+        for sock in sockets:
+            sock.close()
+    return grown
+
+
+def _growth_in_a_fresh_process(**limits) -> float:
+    import json
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    code = f"import test_fleet_gate as t; print(t._gate_rss_growth(8, 8, **{limits!r}))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tests, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_many_stalled_bodies_leave_the_gates_memory_within_its_body_budget():
+    """Eight connections stall one byte short of an 8 MiB body (a gate in a fresh process each time, so that no
+    earlier test's freed memory hides the growth): with a 16 MiB budget for all bodies at once the gate grows by
+    less than half of what the same bodies cost it with the default 1 GiB budget (64 MiB of bodies held)."""
+    unbounded = _growth_in_a_fresh_process()
+    bounded = _growth_in_a_fresh_process(max_bodies=16 << 20)
+    assert unbounded > 48, f"the bodies should have cost the unbounded gate about 64 MiB, it grew {unbounded:.0f}"
+    assert bounded < unbounded / 2, f"with the budget the gate grew by {bounded:.0f} MiB, without {unbounded:.0f}"
