@@ -257,7 +257,11 @@ class RobustSection(Section):
 
     max_update_norm: an update further (L2) than this from what the member was sent is refused for the round.
     clip_norm: if > 0, updates further than this are scaled back to it; each clip is logged and counted (0: off).
+    exclude_after: secure mode: refused aggregates in a row that exclude a node from training (0: never).
     """
 
     max_update_norm: float = Field(1e3, gt=0, allow_inf_nan=False)
     clip_norm: float = Field(0.0, ge=0, allow_inf_nan=False)
+    # secure mode: a node in a refused secure aggregate this many rounds in a row is excluded from training (its
+    # groups are split meanwhile to tell it apart: server_app.offenders); 0: never
+    exclude_after: int = Field(3, ge=0)

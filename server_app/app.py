@@ -27,6 +27,7 @@ from strategies.base import Arrays, ClientInfo, GroupResult
 
 from .admission import Admission, initialise_strategy, log_left_out, slim
 from .evaluation import evaluate_round
+from .offenders import Offenders, combine, refuse_unsound_sums
 from .rundir import CheckpointError, RunDirectory
 from .sampling import round_participants
 from .secure import train_groups_secure
@@ -69,6 +70,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
 
     first_round = 1
     admission = Admission()
+    offenders = Offenders(cfg.robust.exclude_after, cfg.seed)  # who is behind refused secure aggregates
     queried = query_clients(grid, node_ids, cfg.round_timeout)
     clients, left_out = admission.admit(queried)
     clients, small = initialise_strategy(strategy, clients, cfg.secure)
@@ -103,9 +105,10 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         connected = sorted(grid.get_node_ids()) or node_ids
         node_ids = _admit_new_nodes(grid, cfg, strategy, clients, refused, connected, admission)
         sampled, evaluated = round_participants(cfg, node_ids, clients, server_round)
+        sampled = [n for n in sampled if n not in offenders.excluded]  # repeat offenders train no more
         asked = strategy.report_nodes(server_round, sampled)
         report_rows = _collect_reports(grid, cfg, strategy, server_round, asked) if asked else {}
-        results = _train_round(grid, context, cfg, strategy, server_round, sampled)
+        parts, results = _train_round(grid, context, cfg, strategy, server_round, sampled, offenders)
         accepted = sum(len(r.contributors) for r in results)
         if accepted < cfg.min_train_replies:
             log.error(
@@ -121,8 +124,10 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         strategy.update(server_round, results)
         aggregate_seconds = time.perf_counter() - aggregate_started
         rows = _train_rows(
-            results, aggregate_seconds, {**adapter_kind(cfg.adapter).reply_metrics, **strategy.reply_metrics}
+            parts, aggregate_seconds, {**adapter_kind(cfg.adapter).reply_metrics, **strategy.reply_metrics}
         )
+        if offenders.excluded:
+            rows[None]["excluded"] = {str(n): why for n, why in offenders.excluded.items()}
         for nid, extra in report_rows.items():
             rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra)
         rows[None].update(strategy.report(), sampled=sampled)
@@ -245,9 +250,19 @@ def _collect_reports(
 
 
 def _train_round(
-    grid: Grid, context: Context, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]
-) -> list[GroupResult]:
-    groups = strategy.train_groups(server_round, node_ids)
+    grid: Grid,
+    context: Context,
+    cfg: RunConfig,
+    strategy: Strategy,
+    server_round: int,
+    node_ids: list[int],
+    offenders: Offenders,
+) -> tuple[list[GroupResult], list[GroupResult]]:
+    """Train the strategy's groups; (the results as trained: a secure group holding suspects as its subgroups, one
+    per group for the strategy: subgroups combined). Group means the strategy's ``check_sum`` refuses have none."""
+    secure = cfg.secure and strategy.aggregates
+    planned = strategy.train_groups(server_round, node_ids)
+    groups = offenders.split(server_round, planned) if secure else planned
     config = _train_config(cfg, server_round)
     for group in groups:
         log.info(
@@ -257,7 +272,7 @@ def _train_round(
             len(group.members),
             " via SecAgg+" if cfg.secure and strategy.aggregates else "",
         )
-    if cfg.secure and strategy.aggregates:  # one SecAgg+ run per group, the groups at once (train_groups_secure)
+    if secure:  # one SecAgg+ run per group, the groups at once (train_groups_secure)
         results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, reply_limits(cfg))
     else:
         results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, reply_limits(cfg))
@@ -268,7 +283,10 @@ def _train_round(
             result.metrics[nid]["bytes_down"] = received
             # layerwise routing: adapter bytes a member did NOT send because its blocks were inactive
             result.metrics[nid]["routing_bytes_saved"] = received - sent
-    return results
+    refuse_unsound_sums(strategy, server_round, results)
+    if secure:
+        offenders.observe(server_round, results)
+    return results, combine(planned, results)
 
 
 def reply_limits(cfg: RunConfig) -> ReplyLimits:

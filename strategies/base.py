@@ -192,9 +192,15 @@ class Strategy(ABC):
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
         """The groups of this round and each member's starting adapter."""
 
+    def check_sum(self, result: GroupResult) -> str | None:
+        """Why a group's mean cannot come from honest members (None if it can), checked before ``update`` divides
+        by anything in it: the server refuses it, the group's round is lost and named, and in secure mode its
+        members are suspects (``server_app.offenders``). Default: nothing to check beyond the transport's bounds."""
+        return None
+
     @abstractmethod
     def update(self, server_round: int, results: list[GroupResult]) -> None:
-        """Fold this round's group means into the state."""
+        """Fold this round's group means into the state (those ``check_sum`` refused have no mean)."""
 
     @abstractmethod
     def eval_arrays(self, node_id: int) -> Arrays:

@@ -12,6 +12,7 @@ from test_vemoe_server import K, expert, mean_of
 from common.adapters.experts import ExpertsSection
 from common.adapters.experts.adapter import join_slots
 from common.adapters.lora import ranks as lora_ranks
+from server_app.offenders import refuse_unsound_sums
 from strategies.atlas.ranks import mask_problem
 from strategies.base import ClientInfo, GroupResult
 from strategies.vemoe.config import VemoeSection
@@ -59,6 +60,7 @@ def test_a_vemoe_sum_no_honest_members_send_is_refused_and_the_pool_kept(vemoe_s
     before = [dict(e) for e in vemoe_server.experts]
     active = vemoe_server.active.copy()
     result = GroupResult("pool", mean_of(payloads), 3.0, [11, 12, 13])
+    refuse_unsound_sums(vemoe_server, 1, [result])  # as the ServerApp does before every update
     vemoe_server.update(1, [result])
     assert result.aggregate_rejected is not None and says in result.aggregate_rejected  # named in the round's row
     assert (vemoe_server.active == active).all()
@@ -92,6 +94,7 @@ def test_an_atlas_group_whose_mask_sum_is_refused_keeps_its_adapter_and_names_wh
     mean[PEFT.format(0, "A")] = mean[PEFT.format(0, "A")] + 0.05
     members = {n: {"num_examples": 12} for n in group.members}
     result = GroupResult(group.name, mean, 48.0, group.members, metrics=members)
+    refuse_unsound_sums(strategy, 1, [result])
     strategy.update(1, [result])
     assert result.aggregate_rejected is not None and "below the least member's share" in result.aggregate_rejected
     after = strategy.eval_arrays(100)

@@ -288,12 +288,16 @@ class Atlas(FingerprintStrategy):
     def _adapter(self, partition: int) -> Arrays:
         return self.adapter_of.get(partition, self.initial[self.family_of_partition[partition]])
 
+    def check_sum(self, result: GroupResult) -> str | None:
+        """With per-client ranks, the group's mean rank masks must be ones its members can send
+        (``ranks.mask_problem``): ``slot_mean`` divides by them."""
+        if result.mean is None or not self.ranked:
+            return None
+        weights = [float(result.metrics.get(n, {}).get("num_examples", 0)) for n in result.contributors]
+        problem = mask_problem(result.mean, weights)
+        return f"atlas ranks: {problem}" if problem else None
+
     def update(self, server_round: int, results: list[GroupResult]) -> None:
-        for result in results:
-            weights = [float(result.metrics.get(n, {}).get("num_examples", 0)) for n in result.contributors]
-            if result.mean is not None and self.ranked and (problem := mask_problem(result.mean, weights)):
-                result.aggregate_rejected, result.mean = f"atlas ranks: {problem}", None  # the group's adapter stays
-                log.error("round %d: atlas: group %s's mean refused: %s", server_round, result.name, problem)
         by_name = {r.name: r.mean for r in results if r.mean is not None}
         if self.eta:
             self._neighbour_terms(by_name)

@@ -116,6 +116,16 @@ class VEMoE(Strategy):
             )
         ]
 
+    def check_sum(self, result: GroupResult) -> str | None:
+        """The pool's sum must be one honest members can send (``pool.sum_problem``): the server divides by its
+        slot totals and votes."""
+        if result.mean is None or not result.contributors:
+            return None
+        n = len(result.contributors)
+        total = {k: np.asarray(result.mean[k], dtype=np.float64) * n for k in (RESPONSIBILITY, VOTE)}
+        problem = sum_problem(total, n, self.active)
+        return f"vemoe: {problem}" if problem else None
+
     def update(self, server_round: int, results: list[GroupResult]) -> None:
         self.events = []
         for result in results:
@@ -123,10 +133,6 @@ class VEMoE(Strategy):
                 continue
             n = len(result.contributors)
             total = {k: np.asarray(v, dtype=np.float64) * n for k, v in result.mean.items()}
-            if problem := sum_problem(total, n, self.active):  # a sum no honest members send: the pool stays
-                result.aggregate_rejected = f"vemoe: {problem}"
-                log.error("round %d: vemoe: the pool's sum is refused, the pool is kept: %s", server_round, problem)
-                continue
             reserved = self._free_slot()
             self.experts, self.totals = experts_from_sum(total, self.experts)
             self._prune(server_round)
