@@ -276,6 +276,10 @@ def do_no_harm_status(by_pair: dict[tuple[str, str, str], dict[str, Any]], candi
         if clients is None:
             lines.append(f"{a}: no pair with {local}")
             continue
+        seeds = len(by_pair.get((a, local, "worst client"), {}).get("per_seed", []))
+        if seeds < MIN_SEEDS:  # no per-client verdict resolves on fewer seeds: "worse on no client" would be empty
+            lines.append(f"{a}: not judged yet ({seeds} seed{'s' if seeds != 1 else ''}, {MIN_SEEDS} needed)")
+            continue
         hurt = [c for c, v in clients.items() if v["verdict"] == "worse"]
         judged = (
             "worse on no client" if not hurt else f"worse on client{'s' if len(hurt) > 1 else ''} {', '.join(hurt)}"

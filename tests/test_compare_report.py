@@ -563,3 +563,6 @@ def test_the_target_judges_every_guarded_strategy_on_harm_to_any_client():
     rows += _example_rows("fedsa-lora:guard.enabled=true", 2, [0.0, 0.0, 0.0, 0.5])
     status = verdict_tables(rows, ["local", "fedavg"], replicates=500)[0].splitlines()[0]
     assert "fedsa-lora:guard.enabled=true: worse on client 3 of 4" in status
+    one_seed = [r for r in rows if r["seed"] == 0]
+    status = verdict_tables(one_seed, ["local", "fedavg"], replicates=200)[0].splitlines()[0]
+    assert f"{guarded}: not judged yet (1 seed, 3 needed)" in status  # "worse on no client" would be vacuous
