@@ -133,16 +133,15 @@ def train(msg: Message, context: Context) -> Message:
     metrics.update(rt.identity())
     weight = rt.strategy.member_weight(str(config.get(WEIGHT_BY, WEIGHT_BY_EXAMPLES)), metrics)
     received = arrays or {}
+    sent = {k: received.get(k, np.zeros_like(v)) for k, v in updated.items()}  # what the update starts from
     # how far the update moved from what was sent (L2): the train row's update_norm (plain mode: the server
     # measures it itself), from which an operator can choose robust.max-update-norm
-    metrics["update_norm"] = update_norm(updated, {k: received.get(k, np.zeros_like(v)) for k, v in updated.items()})
+    metrics["update_norm"] = update_norm(updated, sent)
     if SECAGG_CLIP in config:  # secure mode: how many values SecAgg+ will clamp to its range after weighting
         # Flower's SecAgg+ only warns when a weight exceeds its max_weight (the quantised sum can then wrap), and
         # the server refuses a group whose reported weight is over it: an honest member caps its own.
         weight = min(weight, int(float(config[SECAGG_MAX_WEIGHT])))
         if SECAGG_CLIP_NORM in config:  # the server cannot clip what it cannot see, and refuses a mean beyond it
-            received = arrays or {}
-            sent = {k: received.get(k, np.zeros_like(v)) for k, v in updated.items()}
             updated, clipped = clip_update(updated, sent, float(config[SECAGG_CLIP_NORM]))
             metrics["secagg_norm_clipped"] = int(clipped)
         metrics["secagg_clipped"] = secagg_clipped(updated, weight, config)
