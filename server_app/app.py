@@ -275,7 +275,8 @@ def _train_round(
     if secure:  # one SecAgg+ run per group, the groups at once (train_groups_secure)
         results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, reply_limits(cfg))
     else:
-        results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, reply_limits(cfg))
+        limits = reply_limits(cfg)
+        results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, limits, strategy.check_sum)
     for group, result in zip(groups, results):
         for nid in result.metrics:
             sent, received = num_bytes(group.reply_reference(nid)), num_bytes(group.start[nid])

@@ -120,11 +120,19 @@ def _short_reason(reason: str, limit: int = 400) -> str:
 
 
 def train_groups_plain(
-    grid, server_round: int, groups: list[Group], config: dict[str, Any], timeout: float, limits: ReplyLimits
+    grid,
+    server_round: int,
+    groups: list[Group],
+    config: dict[str, Any],
+    timeout: float,
+    limits: ReplyLimits,
+    check_sum: Callable[[GroupResult], str | None] | None = None,
 ) -> list[GroupResult]:
     """Train every member of every group at once; return each group's weighted mean of its valid replies (each
     member's weight as the group asked, ``Group.weight_by``, reported by the member, capped at what the group
-    allows). Every reply is held to ``limits`` (``common.reply_checks``); a bad one is left out with its reason."""
+    allows). Every reply is held to ``limits`` (``common.reply_checks``) and, as a group of one, to the strategy's
+    ``check_sum`` (in the clear the server sees who sent a sum it cannot use: that member alone is left out, not its
+    group); a bad one is left out with its reason."""
     messages = []
     for group in groups:
         for nid in group.members:
@@ -141,6 +149,9 @@ def train_groups_plain(
         for nid in group.members:
             try:
                 arrays, n, metrics, notes = _accept_train_reply(replies[nid], group.reply_reference(nid), cap, limits)
+                alone = GroupResult(group.name, arrays, float(n), [nid], metrics={nid: {**metrics, "num_examples": n}})
+                if check_sum is not None and (problem := check_sum(alone)):
+                    raise ReplyError(f"a sum honest members cannot send: {problem}")
             except Exception as err:  # whatever a reply holds, it costs only this member's contribution
                 reason = str(err) if isinstance(err, ReplyError) else f"malformed reply: {err!r}"
                 result.rejected[nid] = reason

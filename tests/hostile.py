@@ -66,3 +66,33 @@ def hostile_mod(plan: Callable[[int, str], str | None]) -> Callable:
         return reply
 
     return mod
+
+
+# Attacks on what a member REPLIES (before SecAgg+ masks it, so in both transports): each passes the box and norm
+# checks; the server must refuse it where replies or sums are checked, and the run must go on.
+REPLY_ATTACKS = ("metric", "vote", "mask")
+MASK_EPSILON = 0.02
+
+
+def tamper_reply(arrays: dict[str, np.ndarray], metrics: dict, attack: str, members: int) -> tuple[dict, dict]:
+    """A train reply's (arrays, metrics) as ``attack`` rewrites them:
+
+    - ``metric``: values the server once converted unchecked (``secagg_clipped="x"`` crashed the row builder);
+    - ``vote``: a VEMoE birth vote of 8 (honest: 0 or 1), a birth of its own candidate every round;
+    - ``mask``: an ATLAS rank mask of -(members - 1) + e on slot 0 (honest: 1), shrinking the group's mean mask
+      there to about e / members, which ``slot_average`` divides by."""
+    from common.adapters.lora import ranks as lora_ranks
+    from strategies.vemoe.pool import VOTE
+
+    if attack == "metric":
+        return arrays, {**metrics, "secagg_clipped": "x", "vemoe_top": "1,nan", "beta": "lots"}
+    if attack == "vote":
+        return {**arrays, VOTE: np.full_like(arrays[VOTE], 8.0)}, metrics
+    if attack == "mask":
+        out = dict(arrays)
+        for name in arrays:
+            if name.startswith(lora_ranks.MASK_PREFIX):
+                out[name] = arrays[name].copy()
+                out[name][0] = -(members - 1) + MASK_EPSILON
+        return out, metrics
+    raise ValueError(f"unknown reply attack {attack!r}")

@@ -6,6 +6,7 @@ its client state survives between messages, its reply metrics reach metrics.json
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +35,13 @@ def run(run_config: dict, nodes: int = 3, hostile: dict[str, str] | None = None)
     run_in_child("test_toy_strategy", "run_in_process", run_config, nodes, hostile)
 
 
-def run_in_process(run_config: dict, nodes: int, hostile: dict[str, str] | None = None) -> None:
+Plan = dict[str, dict[str, str]]  # partition id -> server round -> reply attack (tests/hostile.py's REPLY_ATTACKS)
+
+
+def run_in_process(run_config: dict, nodes: int, hostile: dict[str, str] | None = None, tamper: Plan | None = None):
     import toy_strategy  # noqa: F401  (registers the toy in this process, where the ServerApp runs)
 
-    client = _client_app(run_config, hostile)
+    client = _client_app(run_config, hostile, tamper, nodes)
     server = ServerApp()
 
     @server.main()
@@ -52,9 +56,11 @@ def run_in_process(run_config: dict, nodes: int, hostile: dict[str, str] | None 
     )
 
 
-def _client_app(run_config: dict, hostile: dict[str, str] | None = None) -> ClientApp:
-    """The real ClientApp's handlers with our run config; ``hostile``: partition id -> SecAgg+ attack in round 1
-    (``tests/hostile.py``)."""
+def _client_app(
+    run_config: dict, hostile: dict[str, str] | None = None, tamper: Plan | None = None, nodes: int = 3
+) -> ClientApp:
+    """The real ClientApp's handlers with our run config; ``hostile``: partition id -> SecAgg+ attack in round 1,
+    ``tamper``: partition id -> round -> what its train reply is rewritten to (``tests/hostile.py``)."""
     from client_app.app import secure_aggregation_mod
 
     mods = [secure_aggregation_mod]
@@ -71,12 +77,35 @@ def _client_app(run_config: dict, hostile: dict[str, str] | None = None) -> Clie
 
         # run_simulation has no run config: the same client (node config, state) with ours
         ours = Context(context.run_id, context.node_id, dict(context.node_config), context.state, dict(run_config))
+        attack = (tamper or {}).get(str(context.node_config["partition-id"]), {}).get(msg.metadata.group_id)
+        if kind == "train" and attack:
+            return _tampered(attack, nodes, lambda: real_handle(kind, msg, ours))
         return real_handle(kind, msg, ours)
 
     app.query()(lambda msg, context: handle("query", msg, context))
     app.train()(lambda msg, context: handle("train", msg, context))
     app.evaluate()(lambda msg, context: handle("evaluate", msg, context))
     return app
+
+
+def _tampered(attack: str, members: int, handle: Callable[[], Message]) -> Message:
+    """The handler's train reply, its arrays and metrics rewritten by ``attack`` before they are packed (and, in
+    secure mode, masked): what a member whose own code is hostile sends."""
+    from hostile import tamper_reply
+
+    import client_app.handlers as handlers
+
+    honest = handlers.train_reply
+
+    def hostile_reply(arrays, num_examples, metrics):
+        arrays, metrics = tamper_reply(arrays, metrics, attack, members)
+        return honest(arrays, num_examples, metrics)
+
+    handlers.train_reply = hostile_reply
+    try:
+        return handle()
+    finally:
+        handlers.train_reply = honest
 
 
 def config(tiny_llama_dir, run_dir: Path, **extra) -> dict:

@@ -368,3 +368,18 @@ def test_every_accepted_update_has_its_norm_measured_by_the_server_and_the_round
     rows = _train_rows([result], 0.0, {})
     assert rows[1]["update_norm"] == pytest.approx(np.sqrt(size))
     assert rows[None]["update_norm_median"] == pytest.approx(2 * np.sqrt(size))
+
+
+def test_in_the_clear_a_reply_the_strategys_sum_check_refuses_is_left_out_alone():
+    """The strategy's ``check_sum`` runs on each reply as a group of one: the member whose update no honest member
+    can send is left out with the strategy's reason, and the group's mean is the others'."""
+
+    def no_big_values(result):
+        return "a value above 2" if max(np.abs(v).max() for v in result.mean.values()) > 2 else None
+
+    behaviour = {1: good(1.0, 10), 2: good(1.5, 10), 3: good(8.0, 10)}
+    group = Group("all", {n: START for n in behaviour})
+    (result,) = train_groups_plain(InMemoryGrid(behaviour), 1, [group], {}, 1.0, LIMITS, check_sum=no_big_values)
+    assert sorted(result.contributors) == [1, 2] and "a value above 2" in result.rejected[3]
+    for key in START:
+        np.testing.assert_allclose(result.mean[key], START[key] + 1.25)
