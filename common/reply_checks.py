@@ -31,6 +31,8 @@ MAX_LIST = 100_000  # elements in a list metric
 # ... and in the whole reply (a client could otherwise send any number of values each within the limits above)
 MAX_KEYS = 256  # metric names
 MAX_KEY_TEXT = 128  # characters in a metric name
+MAX_WHOLE = 2**53  # a whole-number metric: beyond this a float cannot hold it exactly (nor JSON readers)
+MAX_PARTITION = 2**31 - 1  # node configs and Flower datasets index partitions with 32-bit ints
 MAX_TOTAL_ELEMENTS = 200_000  # list elements, summed over every list metric
 MAX_TOTAL_TEXT = 1_000_000  # characters of string values, summed over every metric and list element
 
@@ -54,7 +56,7 @@ class ListOf(NamedTuple):
 
 Spec = Bound | ListOf
 
-IDENTITY_METRICS = {"partition-id": Bound(int)}
+IDENTITY_METRICS = {"partition-id": Bound(int, 0, MAX_PARTITION)}
 TRAIN_METRICS = {
     "train_loss": Bound(float),
     "train_tokens": Bound(int),
@@ -235,9 +237,11 @@ def _check_bound(key: str, value: Any, bound: Bound) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ReplyError(f"metric '{key}' must be a number, got {type(value).__name__} {str(value)[:40]!r}")
     if bound.kind is int and not float(value).is_integer():
-        raise ReplyError(f"metric '{key}' must be a whole number, got {value}")
+        raise ReplyError(f"metric '{key}' must be a whole number, got {value:.6g}")
+    if bound.kind is int and abs(value) > MAX_WHOLE:
+        raise ReplyError(f"metric '{key}' = {value:.6g} is beyond what a whole-number metric can hold (2^53)")
     if (bound.low is not None and value < bound.low) or (bound.high is not None and value > bound.high):
-        raise ReplyError(f"metric '{key}' = {value} is outside [{bound.low}, {bound.high}]")
+        raise ReplyError(f"metric '{key}' = {value:.6g} is outside [{bound.low}, {bound.high}]")
 
 
 def check_weight(value: Any, cap: float) -> tuple[int, bool]:
