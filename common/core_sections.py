@@ -255,12 +255,18 @@ class SecAggSection(Section):
 class RobustSection(Section):
     """How much the server trusts one update (checked on every plain-mode train reply, ``common.reply_checks``).
 
-    max_update_norm: an update further (L2) than this from what the member was sent is refused for the round.
+    max_update_norm: an update further (L2) than this from what the member was sent is refused for the round (the
+        bound in round 1, and the most it can be later).
+    auto_norm_multiple: if > 0, from round 2 the bound is this multiple of the median of the recent rounds' median
+        accepted update norm (the train rows' ``update_norm_median``), when that is lower (0: the fixed bound only).
     clip_norm: if > 0, updates further than this are scaled back to it; each clip is logged and counted (0: off).
     exclude_after: secure mode: refused aggregates in a row that exclude a node from training (0: never).
     """
 
     max_update_norm: float = Field(1e3, gt=0, allow_inf_nan=False)
+    # a hostile member may move the mean by at most the bound / the members: 1e3 lets one of 10 set ~15k weights
+    # to +-8; honest norms are ~1-10 (docs/reliability-security.md), so 10 x their median is a far tighter budget
+    auto_norm_multiple: float = Field(10.0, ge=0, allow_inf_nan=False)
     clip_norm: float = Field(0.0, ge=0, allow_inf_nan=False)
     # secure mode: a node in a refused secure aggregate this many rounds in a row is excluded from training (its
     # groups are split meanwhile to tell it apart: server_app.offenders); 0: never

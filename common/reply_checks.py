@@ -18,7 +18,7 @@ accepted, and a bad one costs only that client's contribution to the round (``Re
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -308,3 +308,16 @@ def masked_weight_problem(
         f"the members' masked weights sum to {masked:.6g} but their reported num_examples to "
         f"{sum(reported.values())}: a member weighted its update by another num_examples than it reported"
     )
+
+
+NORM_WINDOW = 5  # rounds of honest update norms the chosen bound looks back over
+
+
+def chosen_max_update_norm(medians: Sequence[float], multiple: float, ceiling: float) -> float:
+    """The round's ``robust.max-update-norm``: ``multiple`` x the median of the last ``NORM_WINDOW`` rounds' median
+    accepted update norm, never above ``ceiling`` (the operator's bound); ``ceiling`` before any round measured one
+    or with ``multiple`` 0. A median is over the members, so a hostile minority cannot raise it much."""
+    seen = [m for m in medians[-NORM_WINDOW:] if math.isfinite(m) and m > 0]
+    if not multiple or not seen:
+        return ceiling
+    return min(ceiling, multiple * float(np.median(seen)))

@@ -21,7 +21,7 @@ from common.config import ConfigError, RunConfig
 from common.guard import TRAIN_GUARD_METRICS
 from common.logs import get_logger
 from common.records import num_bytes
-from common.reply_checks import TRAIN_OPTIONAL, ReplyLimits, reply_metric_specs
+from common.reply_checks import TRAIN_OPTIONAL, ReplyLimits, chosen_max_update_norm, reply_metric_specs
 from strategies import Strategy, load_run_config, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
@@ -71,6 +71,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     first_round = 1
     admission = Admission()
     offenders = Offenders(cfg.robust.exclude_after, cfg.seed)  # who is behind refused secure aggregates
+    norm_medians: list[float] = []  # each round's median accepted update norm (robust.auto-norm-multiple)
     queried = query_clients(grid, node_ids, cfg.round_timeout)
     clients, left_out = admission.admit(queried)
     clients, small = initialise_strategy(strategy, clients, cfg.secure)
@@ -91,6 +92,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         strategy.load_state_dict(state)
         first_round = meta["round"] + 1
         run.truncate_metrics_after(meta["round"])
+        norm_medians = [r["update_norm_median"] for r in run.read_metrics() if _median_row(r)]
         log.info("resuming after round %d from %s", meta["round"], run.checkpoint_dir)
     else:
         if run.metrics_path.exists():
@@ -108,7 +110,9 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         sampled = [n for n in sampled if n not in offenders.excluded]  # repeat offenders train no more
         asked = strategy.report_nodes(server_round, sampled)
         report_rows = _collect_reports(grid, cfg, strategy, server_round, asked) if asked else {}
-        parts, results = _train_round(grid, context, cfg, strategy, server_round, sampled, offenders)
+        bound = chosen_max_update_norm(norm_medians, cfg.robust.auto_norm_multiple, cfg.robust.max_update_norm)
+        limits = reply_limits(cfg, bound)
+        parts, results = _train_round(grid, context, cfg, strategy, server_round, sampled, offenders, limits)
         accepted = sum(len(r.contributors) for r in results)
         if accepted < cfg.min_train_replies:
             log.error(
@@ -126,6 +130,9 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         rows = _train_rows(
             parts, aggregate_seconds, {**adapter_kind(cfg.adapter).reply_metrics, **strategy.reply_metrics}
         )
+        rows[None]["max_update_norm"] = bound
+        if median := rows[None].get("update_norm_median"):  # the next rounds' bound is chosen from these
+            norm_medians.append(median)
         if offenders.excluded:
             rows[None]["excluded"] = {str(n): why for n, why in offenders.excluded.items()}
         for nid, extra in report_rows.items():
@@ -257,6 +264,7 @@ def _train_round(
     server_round: int,
     node_ids: list[int],
     offenders: Offenders,
+    limits: ReplyLimits,
 ) -> tuple[list[GroupResult], list[GroupResult]]:
     """Train the strategy's groups; (the results as trained: a secure group holding suspects as its subgroups, one
     per group for the strategy: subgroups combined). Group means the strategy's ``check_sum`` refuses have none."""
@@ -273,9 +281,8 @@ def _train_round(
             " via SecAgg+" if cfg.secure and strategy.aggregates else "",
         )
     if secure:  # one SecAgg+ run per group, the groups at once (train_groups_secure)
-        results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, reply_limits(cfg))
+        results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, limits)
     else:
-        limits = reply_limits(cfg)
         results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, limits, strategy.check_sum)
     for group, result in zip(groups, results):
         for nid in result.metrics:
@@ -290,12 +297,17 @@ def _train_round(
     return results, combine(planned, results)
 
 
-def reply_limits(cfg: RunConfig) -> ReplyLimits:
-    """What this run's train replies are held to: the instruction's example budget and ``robust.*``."""
+def _median_row(row: dict[str, Any]) -> bool:
+    return row.get("node") is None and row.get("round", 0) > 0 and bool(row.get("update_norm_median"))
+
+
+def reply_limits(cfg: RunConfig, max_update_norm: float | None = None) -> ReplyLimits:
+    """What this run's train replies are held to: the instruction's example budget and ``robust.*`` (the update
+    norm bound as chosen for the round, ``chosen_max_update_norm``; default: ``robust.max-update-norm``)."""
     declared = {**adapter_kind(cfg.adapter).reply_metrics, **strategy_spec(cfg.strategy).server.reply_metrics}
     return ReplyLimits(
         examples_per_round=examples_per_round(cfg),
-        max_update_norm=cfg.robust.max_update_norm,
+        max_update_norm=max_update_norm or cfg.robust.max_update_norm,
         clip_norm=cfg.robust.clip_norm or None,
         optional_metrics={**TRAIN_OPTIONAL, **reply_metric_specs(declared)},
     )

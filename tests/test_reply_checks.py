@@ -204,3 +204,15 @@ def test_optional_metrics_come_back_typed_and_lists_decoded_from_their_comma_joi
 def test_an_eval_reply_generating_what_it_did_not_evaluate_is_refused(generated, says):
     with pytest.raises(ReplyError, match=says):
         check_eval_metrics({**GOOD_EVAL, "eval_generated": generated})
+
+
+def test_the_update_norm_bound_is_chosen_from_the_recent_honest_medians_below_the_operators():
+    from common.reply_checks import NORM_WINDOW, chosen_max_update_norm
+
+    assert chosen_max_update_norm([], 10.0, 1e3) == 1e3  # round 1: nothing measured yet
+    assert chosen_max_update_norm([5.0, 6.0, 4.0], 10.0, 1e3) == pytest.approx(50.0)
+    assert chosen_max_update_norm([5.0, 6.0, 4.0], 0.0, 1e3) == 1e3  # off: the fixed bound
+    assert chosen_max_update_norm([500.0], 10.0, 1e3) == 1e3  # never above the operator's
+    old = [1000.0] * 10 + [2.0] * NORM_WINDOW  # only the last rounds count
+    assert chosen_max_update_norm(old, 10.0, 1e3) == pytest.approx(20.0)
+    assert chosen_max_update_norm([math.nan, 0.0, 3.0], 10.0, 1e3) == pytest.approx(30.0)

@@ -152,6 +152,9 @@ def test_a_registered_toy_strategy_runs_end_to_end(toymean, tiny_llama_dir, tmp_
     for server_round in (1, 2):  # the client half's state (rounds it trained) was kept between messages
         trained = [r for r in rows if r["round"] == server_round and r["node"] is not None]
         assert len(trained) == 3 and all(r["accepted"] and r["rounds_trained"] == server_round for r in trained)
+    summary = {r["round"]: r for r in rows if r["node"] is None}
+    assert summary[1]["max_update_norm"] == 1e3  # round 1: the operator's bound; round 2: chosen from round 1's norms
+    assert summary[2]["max_update_norm"] == pytest.approx(10 * summary[1]["update_norm_median"])
     final, expected, weights = final_and_expected(run_dir)
     if secure:  # SecAgg+ multiplied each update by (p + 1) / max_weight before masking: the same weighting
         scaled = secagg_weights([int(w) for w in weights], max_weight=3.0)
