@@ -261,6 +261,9 @@ class RobustSection(Section):
         accepted update norm (the train rows' ``update_norm_median``), when that is lower (0: the fixed bound only).
     clip_norm: if > 0, updates further than this are scaled back to it; each clip is logged and counted (0: off).
     exclude_after: secure mode: refused aggregates in a row that exclude a node from training (0: never).
+    bind_partitions: a partition id belongs to the node first admitted with it, for the whole run: turn on where
+        SuperNode authentication ties node ids to keys (``deploy/superlink.sh``); off, a restarted SuperNode
+        without it comes back with a new node id and takes its partition back (``server_app.admission``).
     """
 
     max_update_norm: float = Field(1e3, gt=0, allow_inf_nan=False)
@@ -271,3 +274,4 @@ class RobustSection(Section):
     # secure mode: a node in a refused secure aggregate this many rounds in a row is excluded from training (its
     # groups are split meanwhile to tell it apart: server_app.offenders); 0: never
     exclude_after: int = Field(3, ge=0)
+    bind_partitions: bool = False

@@ -6,7 +6,10 @@ joins mid-run (``server_app.app._admit_new_nodes``):
 
 - identity (``read_identity``): a whole partition id in [0, 2^31) and a model name of printable characters, at most
   ``MAX_MODEL_NAME`` long (it names checkpoint groups and adapter directories);
-- one node per partition id: the lowest node id keeps it, later claimants are left out;
+- one node per partition id: the lowest node id keeps it, later claimants are left out; with
+  ``robust.bind-partitions`` (deployments with SuperNode authentication, where Flower derives a node's id from its
+  registered public key, so the id survives restarts) a partition stays the first admitted node's for the whole run
+  (and a resumed one): another node claiming it is left out even while its owner is offline;
 - initial adapters: every client of one base model builds the same seeded adapter, so the clients of a model must
   agree (names, shapes, values); the adapter most of them sent is that model's start and a node that sent another
   is left out (it would otherwise become a family's start for everyone: FedAvg adopts one client's);
@@ -53,7 +56,9 @@ class Admission:
     """The checks above, with what the first admission agreed on (each model's initial adapter) kept for nodes
     that join later."""
 
-    def __init__(self) -> None:
+    def __init__(self, bind: bool = False) -> None:
+        self.bind = bind
+        self.owner: dict[int, int] = {}  # partition id -> the node it is bound to (only with ``bind``)
         self.start_digest: dict[str, str] = {}  # model -> the digest of its agreed initial adapter
         self.adapters: dict[str, tuple[str, Arrays]] = {}  # model -> (that digest, the adapter): for later joiners
 
@@ -62,8 +67,14 @@ class Admission:
         left_out: dict[int, str] = {}
         holder: dict[int, int] = {}
         for nid, info in sorted(clients.items()):
+            owner = self.owner.get(info.partition_id, nid) if self.bind else nid
             if info.partition_id in holder:
                 left_out[nid] = f"partition {info.partition_id} is already node {holder[info.partition_id]}'s"
+            elif owner != nid:
+                left_out[nid] = (
+                    f"partition {info.partition_id} is bound to node {owner}, admitted with it first "
+                    "(robust.bind-partitions: a node id is its registered key)"
+                )
             else:
                 holder[info.partition_id] = nid
         digests = {
@@ -91,7 +102,11 @@ class Admission:
                     left_out[nid] = f"its initial adapter differs from the one the clients of {model!r} agree on"
                 elif model not in self.adapters and clients[nid].initial:
                     self.adapters[model] = (digests[nid], clients[nid].initial)
-        return {nid: info for nid, info in clients.items() if nid not in left_out}, left_out
+        admitted = {nid: info for nid, info in clients.items() if nid not in left_out}
+        if self.bind:
+            for nid, info in admitted.items():
+                self.owner.setdefault(info.partition_id, nid)
+        return admitted, left_out
 
 
 def initialise_strategy(

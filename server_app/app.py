@@ -69,7 +69,10 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     )
 
     first_round = 1
-    admission = Admission()
+    admission = Admission(bind=cfg.robust.bind_partitions)
+    checkpoint = run.load_checkpoint() if cfg.resume else None
+    if checkpoint is not None:  # partitions stay bound to the nodes that held them (robust.bind-partitions)
+        admission.owner = {int(p): int(n) for p, n in checkpoint[0].get("partition-owners", {}).items()}
     offenders = Offenders(cfg.robust.exclude_after, cfg.seed)  # who is behind refused secure aggregates
     norm_medians: list[float] = []  # each round's median accepted update norm (robust.auto-norm-multiple)
     queried = query_clients(grid, node_ids, cfg.round_timeout)
@@ -85,7 +88,6 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         )
     log.info("clients: %s", {nid: f"partition {c.partition_id}, {c.model}" for nid, c in sorted(clients.items())})
     refused: set[int] = set(left_out)  # nodes left out, or that joined later and could not take part
-    checkpoint = run.load_checkpoint() if cfg.resume else None
     if checkpoint is not None:
         meta, state = checkpoint
         check_resumable(cfg, strategy, meta, state, run.checkpoint_dir)
@@ -100,7 +102,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         if cfg.eval.initial:
             evaluated = round_participants(cfg, node_ids, clients, 0)[1]
             evaluate_round(grid, cfg, strategy, run, 0, evaluated, {}, time.perf_counter(), _partitions(clients))
-        _checkpoint(run, 0, strategy, _checkpoint_meta(cfg, node_ids))
+        _checkpoint(run, 0, strategy, _checkpoint_meta(cfg, node_ids, admission))
 
     for server_round in range(first_round, cfg.num_server_rounds + 1):
         started = time.perf_counter()
@@ -140,7 +142,7 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         rows[None].update(strategy.report(), sampled=sampled)
         evaluate_round(grid, cfg, strategy, run, server_round, evaluated, rows, started, _partitions(clients))
         strategy.plot_round(server_round, rows[None], run.path)
-        _checkpoint(run, server_round, strategy, {"nodes": node_ids, "settings": cfg.to_flat()})
+        _checkpoint(run, server_round, strategy, _checkpoint_meta(cfg, node_ids, admission))
 
     adapters = _save_adapters(cfg, strategy, run)
     plot = run.plot_eval_loss()
@@ -154,9 +156,11 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     return run
 
 
-def _checkpoint_meta(cfg: RunConfig, node_ids: list[int]) -> dict[str, Any]:
-    """Beside the state: the nodes, and the settings it was written with (``check_resumable`` compares them)."""
-    return {"nodes": node_ids, "settings": cfg.to_flat()}
+def _checkpoint_meta(cfg: RunConfig, node_ids: list[int], admission: Admission) -> dict[str, Any]:
+    """Beside the state: the nodes, the settings it was written with (``check_resumable`` compares them) and which
+    node each partition is bound to (``robust.bind-partitions``)."""
+    owners = {str(p): n for p, n in admission.owner.items()}
+    return {"nodes": node_ids, "settings": cfg.to_flat(), **({"partition-owners": owners} if owners else {})}
 
 
 def check_resumable(cfg: RunConfig, strategy: Strategy, meta: dict, state: dict[str, Arrays], where) -> None:

@@ -186,3 +186,28 @@ def test_nodes_left_out_are_counted_with_their_reason_and_a_run_nobody_joins_say
     nobody = InMemoryGrid({2: lambda content: "offline", 3: lambda content: "offline"})
     with pytest.raises(RuntimeError, match="no client returned an initial adapter: .*offline"):
         query_clients(nobody, [2, 3], timeout=1.0, required=True)
+
+
+def test_with_bound_partitions_a_node_cannot_take_over_an_offline_nodes_partition():
+    """Deployment with SuperNode authentication (a node id is its registered key): node 9 claiming partition 1 while
+    its owner, node 5, is offline is left out, and a resumed run keeps the binding; without the binding (simulation,
+    or SuperNodes without keys, which come back with new ids) the claimant takes the partition, as before."""
+    from server_app.app import _checkpoint_meta
+    from strategies import load_run_config
+
+    bound = Admission(bind=True)
+    kept, _ = bound.admit({5: ClientInfo(5, 1, "smol", START), 6: ClientInfo(6, 2, "smol", dict(START))})
+    assert sorted(kept) == [5, 6] and bound.owner == {1: 5, 2: 6}
+    _, left_out = bound.admit({9: ClientInfo(9, 1, "smol", dict(START))})  # node 5 offline: nobody live holds it
+    assert "bound to node 5" in left_out[9]
+    assert bound.admit({5: ClientInfo(5, 1, "smol", dict(START))})[1] == {}  # the owner itself is welcome back
+
+    cfg = load_run_config({"strategy": "fedavg", "robust.bind-partitions": True})
+    meta = _checkpoint_meta(cfg, [5, 6], bound)
+    resumed = Admission(bind=True)
+    resumed.owner = {int(p): n for p, n in meta["partition-owners"].items()}  # as run_federation reads it back
+    assert "bound to node 5" in resumed.admit({9: ClientInfo(9, 1, "smol", START)})[1][9]
+
+    free = Admission()
+    free.admit({5: ClientInfo(5, 1, "smol", START)})
+    assert free.admit({9: ClientInfo(9, 1, "smol", dict(START))})[1] == {}

@@ -97,8 +97,8 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
     run_dir = fed.work / "run"
     config = (
         f"strategy='fedavg-dual' num-server-rounds={ROUNDS} min-train-replies=2 train.local-steps=4 "
-        f"eval.max-examples=4 eval.max-new-tokens=8 run-dir='{run_dir}'"
-    )
+        f"eval.max-examples=4 eval.max-new-tokens=8 run-dir='{run_dir}' robust.bind-partitions=true"
+    )  # node authentication: a node id is its registered key, so partitions are bound to node ids
     first = fed.start_run(config, "flwr-run-1")
 
     # 1. Once every node has evaluated round 0, kill SuperNode 2 (its whole process group, SIGKILL) while round 1
@@ -143,6 +143,7 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
     assert sorted(r["round"] for r in rows if r["node"] is None) == [0, 1, 2]  # round 0 and 1 were not redone
     final = {r["partition_id"]: r for r in rows if r["round"] == ROUNDS and r["node"] is not None}
     assert sorted(final) == [0, 1, 2] and all(r["accepted"] for r in final.values()), final
+    assert all(final[p]["node"] == round0[p]["node"] for p in final)  # node 2 came back with its id (its key's)
     assert all(final[p]["eval_loss"] < round0[p]["eval_loss"] for p in final), (round0, final)
     # the resumed run is a new Flower run, so every node started it with empty state and read its own back from disk:
     # node 2 exactly what it had when it was killed (nodes 0 and 1 lived on, and may still have run the first run's

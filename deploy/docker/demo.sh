@@ -151,7 +151,8 @@ for _ in $(seq 90); do [ "$(online)" -ge 3 ] && break; sleep 2; done
 say "flwr run: $ROUNDS round(s), FedAvg, secure=true"
 R0=$(date +%s)
 flwr run . "$CONNECTION" --stream --run-config \
-  "num-server-rounds=$ROUNDS strategy='fedavg' secure=true min-train-replies=3 run-dir='runs/$NAME' $EXTRA" \
+  "num-server-rounds=$ROUNDS strategy='fedavg' secure=true min-train-replies=3 run-dir='runs/$NAME' \
+robust.bind-partitions=true $EXTRA" \
   2>&1 | tee "$OUT/flwr-run.log"
 RUN_S=$(( $(date +%s) - R0 ))
 docker cp "$(compose ps -q superlink):/app/runs/$NAME/." "$OUT/"
