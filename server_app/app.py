@@ -156,10 +156,10 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     return run
 
 
-def _checkpoint_meta(cfg: RunConfig, node_ids: list[int], admission: Admission) -> dict[str, Any]:
+def _checkpoint_meta(cfg: RunConfig, node_ids: list[int], admission: Admission | None = None) -> dict[str, Any]:
     """Beside the state: the nodes, the settings it was written with (``check_resumable`` compares them) and which
     node each partition is bound to (``robust.bind-partitions``)."""
-    owners = {str(p): n for p, n in admission.owner.items()}
+    owners = {str(p): n for p, n in admission.owner.items()} if admission else {}
     return {"nodes": node_ids, "settings": cfg.to_flat(), **({"partition-owners": owners} if owners else {})}
 
 

@@ -19,6 +19,7 @@ from common.adapters.experts import (
     set_expert,
     trainable,
 )
+from common.adapters.experts.model import expert_layers
 from common.adapters.lora.ranks import layers
 from common.model import load_base_model
 
@@ -150,6 +151,11 @@ def test_the_adapter_kind_trains_the_routed_slots_keeps_its_routers_and_saves_lo
     ids = IDS
     losses = [kind.probe_loss(slot, lambda m: m(ids, labels=ids).loss) for slot in range(3)]
     assert all(np.isfinite(losses)) and np.allclose(losses, losses[0])  # B = 0: every new expert is the base
+    flags = [layer.lora_B.requires_grad for layer in expert_layers(kind.model)]
+    gains = [kind.probe_gain(slot, lambda m: m(ids, labels=ids).loss) for slot in range(3)]
+    assert all(g > 0 for g in gains) and len({round(g, 12) for g in gains}) == 3  # their own A: gains differ
+    assert [layer.lora_B.requires_grad for layer in expert_layers(kind.model)] == flags  # left as it was found
+    assert all(layer.lora_B.grad is None for layer in expert_layers(kind.model))
     kind.route([0, 2], [0.5, 0.5])
     kind.prepare_training(None)
     # weight decay 0, as train.weight-decay's default: decay would also shrink the slots no token was routed to

@@ -11,6 +11,7 @@ from strategies.vemoe.pool import (
     VOTE,
     birth_slot,
     client_payload,
+    delta_w,
     experts_from_sum,
     merge,
     merge_pairs,
@@ -142,7 +143,29 @@ def test_merge_finds_near_duplicates_and_weights_by_responsibility():
     pairs = merge_pairs(experts, np.array([True, True, True, False]), threshold=0.95)
     assert [(k, m) for k, m, _ in pairs] == [(0, 2)] and pairs[0][2] == pytest.approx(1.0)
     merged = merge(a, twin, r_kept=3.0, r_merged=1.0)
-    assert all(np.allclose(merged[n], 0.75 * a[n] + 0.25 * twin[n]) for n in a)
+    expected = 0.75 * delta_w(a) + 0.25 * delta_w(twin)
+    np.testing.assert_allclose(delta_w(merged), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_merged_expert_computes_the_mean_delta_w_not_the_mean_of_its_factors():
+    """Two experts with independent random A (as every slot starts): the array-by-array mean of A and B is not what
+    the two compute on average; the merge is, exactly when the mean fits the slot's rank, else its best rank-r
+    approximation."""
+    rng = np.random.default_rng(5)
+    b = rng.normal(size=(3, 2))
+    first = {f"{LAYER}.lora_A.weight": rng.normal(size=(2, 4)), f"{LAYER}.lora_B.weight": b}
+    second = {f"{LAYER}.lora_A.weight": first[f"{LAYER}.lora_A.weight"], f"{LAYER}.lora_B.weight": -0.5 * b}
+    target = 0.5 * delta_w(first) + 0.5 * delta_w(second)  # shared A: the mean has rank 2, the slot's rank
+    np.testing.assert_allclose(delta_w(merge(first, second, 1.0, 1.0)), target, atol=1e-6)
+    one, other = expert(rng), expert(rng)  # independent A: the mean dW has rank up to 4 > 2
+    target = 0.5 * delta_w(one) + 0.5 * delta_w(other)
+    naive = {n: 0.5 * one[n] + 0.5 * other[n] for n in one}
+    merged = merge(one, other, 1.0, 1.0)
+    ours, theirs = (np.linalg.norm(delta_w(x) - target) for x in (merged, naive))
+    matrix = target.reshape(3, 4)
+    best = np.sqrt(np.sum(np.linalg.svd(matrix, compute_uv=False)[2:] ** 2))  # Eckart-Young: the rank-2 optimum
+    assert ours == pytest.approx(best, rel=1e-4) and ours < theirs
+    assert {n: v.shape for n, v in merged.items()} == {n: v.shape for n, v in one.items()}
 
 
 def test_the_pool_never_exceeds_k_max():
@@ -159,3 +182,28 @@ def test_the_pool_never_exceeds_k_max():
         assert 1 <= active.sum() <= k_max
     assert births > k_max  # slots were freed and reused
     assert birth_slot(votes=10, active=np.ones(k_max, dtype=bool), min_votes=2) is None
+
+
+def test_separation_is_the_purity_of_each_rounds_top1_experts_against_the_clients_task_sets():
+    from strategies.vemoe.separation import purity, separation
+
+    assert purity([0, 0, 1, 1], ["a", "a", "b", "b"]) == 1.0
+    assert purity([0, 0, 0, 0], ["a", "a", "b", "b"]) == 0.5  # one expert serves everyone
+    assert purity([0, 1, 0, 1], ["a", "a", "b", "b"]) == 0.5
+    rows = [
+        {"round": 1, "node": 10 + p, "partition_id": p, "vemoe_r": r, "tasks": t}
+        for p, (r, t) in enumerate([([0.6, 0.4], "a"), ([0.7, 0.3], "a"), ([0.2, 0.8], "b"), ([0.5, 0.5], "b")])
+    ] + [{"round": 1, "node": None}]
+    (first,) = separation(rows)
+    assert first["top1"] == {0: 0, 1: 0, 2: 1, 3: 0} and first["purity"] == 0.75  # a tie goes to the lower slot
+
+
+def test_a_round_one_tie_is_broken_by_each_experts_gradient_gain():
+    from strategies.vemoe.routing import gain_shares, tied
+
+    active = np.array([True, True, True, False])
+    assert tied(np.array([2.5, 2.5, 2.5, np.nan]), active)
+    assert not tied(np.array([2.5, 2.4, 2.5, np.nan]), active)
+    r = gain_shares(np.array([1.0, 3.0, 0.0, 9.0]), active)  # a free slot's gain is never counted
+    assert r.tolist() == [0.25, 0.75, 0.0, 0.0]
+    assert gain_shares(np.zeros(4), active).tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0])

@@ -71,9 +71,15 @@ def test_vemoe_runs_plain_and_secure_and_the_secure_pool_is_the_plain_one(tiny_l
         trained = [r for r in rows if r["round"] == 1 and r["node"] is not None]
         assert len(trained) == 3 and all(r["accepted"] for r in trained)
         if secure:  # which experts a client uses is what SecAgg+ hides: not in its reply metrics either
-            assert not any("vemoe_top" in r or "vemoe_vote" in r for r in trained)
+            assert not any(k in r for r in trained for k in ("vemoe_top", "vemoe_vote", "vemoe_r", "vemoe_probe"))
         else:
             assert all(len(r["vemoe_top"]) == 2 for r in trained)  # every client routed between its top-2 experts
+            for r in trained:  # what routing decided, per client: a probe loss for each active slot, r over them
+                assert sum(r["vemoe_r"]) == pytest.approx(1.0, abs=1e-4) and r["vemoe_r"][3] == 0
+                # round 1: the experts tie on the probe loss (B = 0); r comes from the gradients, not a uniform tie
+                assert len(set(r["vemoe_probe"][:3])) == 1 and max(r["vemoe_r"]) > 1 / 3 + 1e-3, r
+                assert all(x > 0 for x in r["vemoe_probe"][:3]) and r["vemoe_probe"][3] == -1.0
+            assert (run_dir / "vemoe_separation.json").exists()
         pool = next(r for r in rows if r["round"] == 1 and r["node"] is None)["vemoe"]
         assert pool["experts"] == 3 and sum(pool["responsibility"]) == pytest.approx(3.0, abs=1e-3)
         runs[secure] = _pool(run_dir)

@@ -4,8 +4,10 @@ responsibilities r, route its tokens between its top-m experts, and send the con
 
 The client votes for a new expert when its best expert's probe loss is above ``vemoe.birth-threshold`` times the
 best it has seen in earlier rounds on the same probe batch (the pool has drifted away from it); its candidate is its
-trained copy of its best expert. Ties in r (new experts are all the base model) are broken in a per-client order, so
-clients spread over the new experts. Its responsibilities and best loss stay in its state, so an evaluation routes
+trained copy of its best expert. In round 1 every expert still computes the base model (B = 0), so the probe losses
+tie exactly; r is then each expert's share of the first-order gain a step on it offers (the squared gradient of the
+probe loss in its B, ``routing.gain_shares``), which differs by slot (each has its own random A) and follows the
+client's data, instead of a coin flip. Its responsibilities and best loss stay in its state, so an evaluation routes
 as its training did.
 """
 
@@ -18,15 +20,17 @@ import numpy as np
 
 from common.adapters.experts import ExpertsSection
 from common.adapters.experts.adapter import ExpertsAdapter, split_slots
+from common.logs import get_logger
 from common.training import batch_loss
 
 from ..base import Arrays
 from ..client import ClientRuntime, StrategyClient
 from .config import VemoeSection
 from .pool import RESPONSIBILITY, VOTE, client_payload
-from .routing import responsibilities, top_m
+from .routing import gain_shares, responsibilities, tied, top_m
 from .server import BIRTH_SLOT
 
+log = get_logger("tessera.client")
 ROUTE = "vemoe.route"  # client state: this client's responsibilities (K_max) and the best probe loss it has seen
 
 
@@ -43,6 +47,7 @@ class VEMoEClient(StrategyClient):
         self.r = np.zeros(self.pool.k_max)
         self.top: list[int] = []
         self.vote = False
+        self.losses = np.full(self.pool.k_max, np.nan)  # this round's probe loss per slot (NaN: free slot)
 
     def _experts(self, rt: ClientRuntime) -> ExpertsAdapter:
         if not isinstance(rt.adapter, ExpertsAdapter):
@@ -67,8 +72,11 @@ class VEMoEClient(StrategyClient):
         """Probe (in training; in evaluation only without kept responsibilities) and route."""
         kept = rt.state.get(ROUTE)
         if training or kept is None or not np.all(self.active[np.asarray(kept["r"]) > 0]):
-            losses = self._probe(rt)
-            self.r = responsibilities(losses, self.active, self.vemoe.temperature)
+            losses = self.losses = self._probe(rt)
+            if tied(losses, self.active):  # every expert still computes the base model: the gradients decide
+                self.r = gain_shares(self._probe(rt, gains=True), self.active)
+            else:
+                self.r = responsibilities(losses, self.active, self.vemoe.temperature)
             best = float(np.min(losses[self.active]))
             before = float(kept["best"][0]) if kept is not None else np.inf
             self.vote = training and self.birth_slot >= 0 and best > self.vemoe.birth_threshold * before
@@ -79,7 +87,8 @@ class VEMoEClient(StrategyClient):
         self.top = top_m(self.r, self.pool.top_m, ties).tolist()
         self._experts(rt).route(self.top, [float(self.r[k]) for k in self.top])
 
-    def _probe(self, rt: ClientRuntime) -> np.ndarray:
+    def _probe(self, rt: ClientRuntime, gains: bool = False) -> np.ndarray:
+        """Each active expert's loss on the probe batch (``gains``: its first-order gain, ``probe_gain``)."""
         # the same probe batch every round: the birth vote compares this round's best loss with earlier rounds'
         rng = random.Random(rt.cfg.seed * 7919 + rt.partition_id)
         batch = rng.sample(rt.train, min(self.vemoe.probe_examples, len(rt.train)))
@@ -87,7 +96,8 @@ class VEMoEClient(StrategyClient):
         adapter = self._experts(rt)
         losses = np.full(self.pool.k_max, np.nan)
         for slot in np.flatnonzero(self.active):
-            losses[slot] = adapter.probe_loss(int(slot), lambda model: batch_loss(model, rt.tokenizer, batch, max_len))
+            measure = adapter.probe_gain if gains else adapter.probe_loss
+            losses[slot] = measure(int(slot), lambda model: batch_loss(model, rt.tokenizer, batch, max_len))
         return losses
 
     def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
@@ -100,6 +110,15 @@ class VEMoEClient(StrategyClient):
         payload = client_payload(
             {k: slots[k] for k in self.top}, r, slots[0], self.birth_slot if self.vote else None, candidate
         )
-        # which experts a client uses and whether it voted are exactly what SecAgg+ hides: said in the clear only
-        metrics = {} if self.cfg.secure else {"vemoe_top": list(self.top), "vemoe_vote": int(self.vote)}
-        return payload, metrics
+        # what routing decided (probe loss per slot, -1 for a free one; r; the top-m; the vote), so that separation
+        # is measured; which experts a client uses and whether it voted are exactly what SecAgg+ hides: said in the
+        # clear only, kept in the client's own log in secure mode
+        routing = {
+            "vemoe_probe": [round(float(x), 6) if np.isfinite(x) else -1.0 for x in self.losses],
+            "vemoe_r": [round(float(x), 6) for x in self.r],
+            "vemoe_top": list(self.top),
+            "vemoe_vote": int(self.vote),
+        }
+        if self.cfg.secure:
+            log.info("vemoe routing (kept on this client): %s", routing)
+        return payload, {} if self.cfg.secure else routing

@@ -171,15 +171,26 @@ def merge_pairs(experts: Sequence[Arrays], active: np.ndarray, threshold: float)
 
 
 def merge(kept: Arrays, merged: Arrays, r_kept: float, r_merged: float) -> Arrays:
-    """The responsibility-weighted mean of two experts, array by array (both weights 0: the plain mean)."""
+    """An expert that computes the responsibility-weighted mean of what the two compute (both weights 0: the plain
+    mean): per layer dW = w B_kept A_kept + (1 - w) B_merged A_merged, factored back at the slot's rank r by a
+    truncated SVD (B = U_r sqrt(S_r), A = sqrt(S_r) V_r^T). Exact when that mean has rank <= r (e.g. experts that
+    share A), else the closest rank-r dW (Eckart-Young). Averaging A and B array by array is not the mean dW: each
+    slot starts from its own random A (a toy pair's merge was 0.72 of the true mean's norm, cosine 0.73)."""
     w = np.array([r_kept, r_merged], dtype=np.float64)
     w = w / w.sum() if w.sum() > 0 else np.array([0.5, 0.5])
-    return {
-        name: (w[0] * np.asarray(kept[name], np.float64) + w[1] * np.asarray(merged[name], np.float64)).astype(
-            np.float32
-        )
-        for name in kept
-    }
+    out: Arrays = {}
+    for a_name, b_name in layers(kept).values():
+        mean = w[0] * _product(kept, a_name, b_name) + w[1] * _product(merged, a_name, b_name)
+        rank = np.asarray(kept[a_name]).shape[0]
+        u, sv, vt = np.linalg.svd(mean, full_matrices=False)
+        root = np.sqrt(sv[:rank])
+        out[b_name] = (u[:, :rank] * root).astype(np.float32)
+        out[a_name] = (root[:, None] * vt[:rank]).astype(np.float32)
+    return {name: out[name] for name in kept}
+
+
+def _product(expert: Arrays, a_name: str, b_name: str) -> np.ndarray:
+    return np.asarray(expert[b_name], dtype=np.float64) @ np.asarray(expert[a_name], dtype=np.float64)
 
 
 def birth_slot(votes: float, active: np.ndarray, min_votes: int) -> int | None:

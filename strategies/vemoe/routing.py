@@ -36,6 +36,24 @@ def responsibilities(probe_losses: np.ndarray, active: np.ndarray, temperature: 
     return weights / weights.sum()
 
 
+def tied(probe_losses: np.ndarray, active: np.ndarray, tolerance: float = 1e-6) -> bool:
+    """Whether every active expert serves the probe batch equally (relative ``tolerance``): experts that still
+    compute the base model (B = 0, round 1), between which the losses say nothing."""
+    losses = np.asarray(probe_losses, dtype=np.float64)[np.asarray(active, dtype=bool)]
+    return bool(losses.size) and float(np.ptp(losses)) <= tolerance * max(1.0, float(np.abs(losses).max()))
+
+
+def gain_shares(gains: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """r (K_max,) from each active expert's first-order gain on the probe batch (``ExpertsAdapter.probe_gain``):
+    its share of the active experts' gains (uniform if none has any), 0 on free slots. It breaks the round-1 tie by
+    the client's own data: clients whose gradients fall in one expert's subspace pick that expert."""
+    mask = np.asarray(active, dtype=bool)
+    g = np.where(mask, np.nan_to_num(np.asarray(gains, dtype=np.float64), nan=0.0).clip(min=0.0), 0.0)
+    if not mask.any():
+        raise ValueError("no active expert to be responsible")
+    return g / g.sum() if g.sum() > 0 else mask / mask.sum()
+
+
 def top_m(r: np.ndarray, m: int, tie_order: np.ndarray | None = None) -> np.ndarray:
     """The (at most) ``m`` slots of largest responsibility among those with r > 0, ascending slot order. Ties go to
     the slot earlier in ``tie_order`` (a permutation of the slots; default: the lower slot). New experts are all the

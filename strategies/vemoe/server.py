@@ -44,6 +44,7 @@ from .pool import (
     prune,
     sum_problem,
 )
+from .separation import separation
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -60,7 +61,8 @@ class VEMoE(Strategy):
     """
 
     name = "vemoe"
-    reply_metrics = {"vemoe_top": int, "vemoe_vote": None}  # the routed slots and the birth vote (plain mode only)
+    # plain mode only: each slot's probe loss (-1: free) and responsibility, the routed slots, the birth vote
+    reply_metrics = {"vemoe_probe": float, "vemoe_r": float, "vemoe_top": int, "vemoe_vote": None}
 
     def __init__(self, pool: ExpertsSection, cfg: VemoeSection) -> None:
         self.pool_cfg, self.cfg = pool, cfg
@@ -182,8 +184,13 @@ class VEMoE(Strategy):
         return self._start()
 
     def plot_run(self, rows: list[dict[str, Any]], run_dir: Path) -> list[Path]:
-        """expert_utilization.png, worst_client.png and, against ``vemoe.baseline-run``, negative_transfer.png."""
+        """expert_utilization.png, worst_client.png, vemoe_separation.json (plain mode: how purely each round's top-1
+        experts follow the clients' task sets) and, against ``vemoe.baseline-run``, negative_transfer.png."""
         paths = [plots.expert_utilization(rows, run_dir / "expert_utilization.png")]
+        if measured := separation(rows):
+            (run_dir / "vemoe_separation.json").write_text(json.dumps(measured, indent=1))
+            paths.append(run_dir / "vemoe_separation.json")
+            log.info("vemoe: top-1 expert purity by round: %s", {m["round"]: round(m["purity"], 3) for m in measured})
         paths.append(worst_client(rows, run_dir / "worst_client.png"))
         baseline = resolve_run_dir(self.cfg.baseline_run) / "metrics.jsonl" if self.cfg.baseline_run else None
         if baseline is None or not baseline.exists():

@@ -22,6 +22,7 @@ from .config import ExpertsSection
 from .model import (
     attach_experts,
     detach_experts,
+    expert_layers,
     experts_disabled,
     get_expert,
     get_routers,
@@ -103,6 +104,25 @@ class ExpertsAdapter:
             return float(loss_of(self.model))
         finally:
             routing.slots, routing.log_r = before
+
+    def probe_gain(self, slot: int, loss_of: Any) -> float:
+        """||d loss_of(model) / d B_slot||^2 with every token routed to expert ``slot`` alone: the first-order loss
+        decrease a small step on that expert offers. Experts still at B = 0 all compute the base model, so their probe
+        losses tie exactly; their gains do not (each slot has its own random A) and follow the client's data."""
+        routing = routing_of(self.model)
+        before = (routing.slots, routing.log_r)
+        params = [layer.lora_B for layer in expert_layers(self.model)]
+        wanted = [param.requires_grad for param in params]
+        try:
+            for param in params:
+                param.requires_grad_(True)
+            routing.route([slot], [1.0])
+            grads = torch.autograd.grad(loss_of(self.model), params, allow_unused=True)
+            return float(sum(float((g[slot].double() ** 2).sum()) for g in grads if g is not None))
+        finally:
+            routing.slots, routing.log_r = before
+            for param, flag in zip(params, wanted):
+                param.requires_grad_(flag)
 
     def prepare_training(self, active: list[int] | None) -> None:
         """The experts and routers train (only the routed slots get gradients); the base stays frozen."""
