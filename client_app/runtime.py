@@ -103,6 +103,11 @@ class ClientRuntime:
         return self.data.train
 
     @property
+    def tasks(self) -> str:
+        """The task set it reports (its identity's ``tasks``; ``node-data`` on a node's own file)."""
+        return self.data.tasks
+
+    @property
     def test(self) -> list[Example]:
         """The held-out examples evaluation reports on (the test split, or the validation split when tuning)."""
         return self.data.held_out

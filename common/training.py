@@ -78,6 +78,11 @@ def encode(tokenizer, example: Example, max_len: int) -> Encoded:
     return Encoded(ids[-max_len:], labels[-max_len:])
 
 
+def answer_tokens(tokenizer, examples: list[Example], max_len: int) -> int:
+    """The answer tokens a batch's mean loss (``batch_loss``) averages over: mean x this is the summed loss."""
+    return sum(_answer_tokens(encode(tokenizer, e, max_len)) for e in examples)
+
+
 def encoded_length(tokenizer, example: Example) -> int:
     """Tokens of the whole conversation before any cut (what ``max_len`` is compared with)."""
     return sum(len(piece) for piece, _ in _pieces(tokenizer, example.messages()))

@@ -207,3 +207,31 @@ def test_a_round_one_tie_is_broken_by_each_experts_gradient_gain():
     r = gain_shares(np.array([1.0, 3.0, 0.0, 9.0]), active)  # a free slot's gain is never counted
     assert r.tolist() == [0.25, 0.75, 0.0, 0.0]
     assert gain_shares(np.zeros(4), active).tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0])
+
+
+def test_summed_likelihood_responsibilities_are_the_posterior_with_the_prior():
+    active = np.array([True, True, False])
+    nll = np.array([40.0, 42.0, np.nan])  # summed over the probe's answer tokens
+    r = responsibilities(nll, active, 1.0, prior=np.array([0.5, 0.5, 0.0]))
+    assert r[0] == pytest.approx(1 / (1 + np.exp(-2.0))) and r[2] == 0  # e^-40 / (e^-40 + e^-42)
+    tilted = responsibilities(nll, active, 1.0, prior=np.array([0.1, 0.9, 0.0]))
+    assert tilted[1] / tilted[0] == pytest.approx(9 * np.exp(-2.0))
+    mean = responsibilities(nll / 20, active, 0.5)  # the same probe as a mean over 20 tokens, seed 002's T
+    assert r.max() > mean.max()  # summed: sharper
+    assert responsibilities(nll, active, 1.0, prior=np.zeros(3)).tolist() == pytest.approx(r.tolist())  # no mass
+
+
+def test_an_oracle_client_routes_to_its_categorys_expert_alone_and_a_bad_oracle_is_refused():
+    from types import SimpleNamespace
+
+    from common.config import ConfigError
+    from strategies import load_run_config
+    from strategies.vemoe.client import VEMoEClient
+
+    cfg = load_run_config({"strategy": "vemoe", "vemoe.oracle": "question generation=0,answer generation=2"})
+    client = VEMoEClient(cfg)
+    client.active = np.array([True, True, True] + [False] * (len(client.active) - 3))
+    rt = SimpleNamespace(tasks="answer generation")
+    assert client._responsibilities(rt, np.zeros(len(client.active))).tolist()[:4] == [0, 0, 1, 0]
+    with pytest.raises(ConfigError, match="vemoe.oracle"):
+        load_run_config({"strategy": "vemoe", "vemoe.oracle": "question generation=5"})

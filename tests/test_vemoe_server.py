@@ -152,3 +152,21 @@ def test_the_run_plots_are_drawn_and_negative_transfer_needs_a_baseline(server, 
     server.cfg = server.cfg.model_copy(update={"baseline_run": "local"})
     paths = server.plot_run(rows, tmp_path)
     assert (tmp_path / "negative_transfer.png").stat().st_size > 0 and len(paths) == 3
+
+
+def test_with_summed_likelihood_the_server_sends_a_counted_prior_that_never_zeroes_an_active_expert():
+    from strategies.vemoe.server import PRIOR
+
+    rng = np.random.default_rng(0)
+    strategy = VEMoE(ExpertsSection(k_max=K, r=2, top_m=2), VemoeSection(k_init=2, likelihood="summed"))
+    strategy.initialise(
+        {nid: ClientInfo(nid, nid, "smol", join_slots([expert(rng) for _ in range(K)])) for nid in (1, 2)}
+    )
+    (group,) = strategy.train_groups(1, [1, 2])
+    assert [float(x) for x in group.config[PRIOR].split(",")] == [0.5, 0.5, 0, 0]  # round 1: uniform
+    strategy.totals = np.array([3.0, 0.0, 0.0, 0.0])  # last round every client chose expert 0
+    (group,) = strategy.train_groups(2, [1, 2])
+    assert [float(x) for x in group.config[PRIOR].split(",")] == pytest.approx([0.8, 0.2, 0, 0])
+    plain = VEMoE(ExpertsSection(k_max=K, r=2, top_m=2), VemoeSection(k_init=2))
+    plain.initialise({1: ClientInfo(1, 1, "smol", join_slots([expert(rng) for _ in range(K)]))})
+    assert PRIOR not in plain.train_groups(1, [1])[0].config  # the default (mean) sends none

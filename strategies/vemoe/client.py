@@ -21,14 +21,14 @@ import numpy as np
 from common.adapters.experts import ExpertsSection
 from common.adapters.experts.adapter import ExpertsAdapter, split_slots
 from common.logs import get_logger
-from common.training import batch_loss
+from common.training import answer_tokens, batch_loss
 
 from ..base import Arrays
 from ..client import ClientRuntime, StrategyClient
 from .config import VemoeSection
 from .pool import RESPONSIBILITY, VOTE, client_payload
 from .routing import gain_shares, responsibilities, tied, top_m
-from .server import BIRTH_SLOT
+from .server import BIRTH_SLOT, PRIOR
 
 log = get_logger("tessera.client")
 ROUTE = "vemoe.route"  # client state: this client's responsibilities (K_max) and the best probe loss it has seen
@@ -44,6 +44,7 @@ class VEMoEClient(StrategyClient):
         self.pool, self.vemoe = cfg.section(ExpertsSection), cfg.section(VemoeSection)
         self.active = np.zeros(self.pool.k_max, dtype=bool)
         self.birth_slot = -1
+        self.prior: np.ndarray | None = None  # the server's counted prior over slots (vemoe.likelihood = "summed")
         self.r = np.zeros(self.pool.k_max)
         self.top: list[int] = []
         self.vote = False
@@ -67,16 +68,15 @@ class VEMoEClient(StrategyClient):
 
     def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
         self.birth_slot = int(config.get(BIRTH_SLOT, -1))
+        prior = str(config.get(PRIOR, ""))
+        self.prior = np.array([float(x) for x in prior.split(",")]) if prior else None
 
     def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
         """Probe (in training; in evaluation only without kept responsibilities) and route."""
         kept = rt.state.get(ROUTE)
         if training or kept is None or not np.all(self.active[np.asarray(kept["r"]) > 0]):
             losses = self.losses = self._probe(rt)
-            if tied(losses, self.active):  # every expert still computes the base model: the gradients decide
-                self.r = gain_shares(self._probe(rt, gains=True), self.active)
-            else:
-                self.r = responsibilities(losses, self.active, self.vemoe.temperature)
+            self.r = self._responsibilities(rt, losses)
             best = float(np.min(losses[self.active]))
             before = float(kept["best"][0]) if kept is not None else np.inf
             self.vote = training and self.birth_slot >= 0 and best > self.vemoe.birth_threshold * before
@@ -87,11 +87,25 @@ class VEMoEClient(StrategyClient):
         self.top = top_m(self.r, self.pool.top_m, ties).tolist()
         self._experts(rt).route(self.top, [float(self.r[k]) for k in self.top])
 
-    def _probe(self, rt: ClientRuntime, gains: bool = False) -> np.ndarray:
-        """Each active expert's loss on the probe batch (``gains``: its first-order gain, ``probe_gain``)."""
+    def _responsibilities(self, rt: ClientRuntime, losses: np.ndarray) -> np.ndarray:
+        oracle = self.vemoe.oracle.get(rt.tasks)
+        if oracle is not None:  # the oracle run: this client's category has its own expert, by hand
+            return np.eye(self.pool.k_max)[oracle]
+        if tied(losses, self.active):  # every expert still computes the base model: the gradients decide
+            return gain_shares(self._probe(rt, gains=True), self.active)
+        if self.vemoe.likelihood == "summed":  # the posterior: summed log-likelihood, the counted prior
+            tokens = answer_tokens(rt.tokenizer, self._batch(rt), rt.cfg.train.max_seq_len)
+            return responsibilities(losses * tokens, self.active, 1.0, self.prior)
+        return responsibilities(losses, self.active, self.vemoe.temperature)
+
+    def _batch(self, rt: ClientRuntime) -> list:
         # the same probe batch every round: the birth vote compares this round's best loss with earlier rounds'
         rng = random.Random(rt.cfg.seed * 7919 + rt.partition_id)
-        batch = rng.sample(rt.train, min(self.vemoe.probe_examples, len(rt.train)))
+        return rng.sample(rt.train, min(self.vemoe.probe_examples, len(rt.train)))
+
+    def _probe(self, rt: ClientRuntime, gains: bool = False) -> np.ndarray:
+        """Each active expert's loss on the probe batch (``gains``: its first-order gain, ``probe_gain``)."""
+        batch = self._batch(rt)
         max_len = rt.cfg.train.max_seq_len
         adapter = self._experts(rt)
         losses = np.full(self.pool.k_max, np.nan)

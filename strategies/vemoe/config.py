@@ -4,12 +4,12 @@ section, ``experts.*`` (``common.adapters.experts``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from common.adapters.experts import ExpertsSection
-from common.section import Section
+from common.section import Section, split_pairs
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -22,6 +22,13 @@ class VemoeSection(Section):
     k_init: int = Field(3, ge=1)  # experts active in round 1 (at most experts.k-max; seed 002 runs 3)
     probe_examples: int = Field(4, ge=1)  # a client's probe batch: each active expert's loss on it gives r
     temperature: float = Field(0.5, gt=0, allow_inf_nan=False)  # r = softmax(-probe loss / temperature)
+    # "mean": r from the probe's mean answer-token loss and ``temperature`` (seed 002's); "summed": the posterior
+    # r_k ~ prior_k x p(probe | expert k), from the probe's SUMMED log-likelihood (10-80 answer tokens: 5-40 times
+    # sharper), the prior the pool's share of last round's responsibility (counted by the server; uniform in round 1)
+    likelihood: Literal["mean", "summed"] = "mean"
+    # the oracle run: a client whose task set is named here routes to that expert slot alone (one-hot r), so each
+    # category has its own expert by hand ("question generation=0,answer generation=1"): what routing could win
+    oracle: dict[str, int] = Field(default_factory=dict)
     # a client votes for a new expert when its best expert's probe loss is above this multiple of the best it has
     # seen in earlier rounds: the pool has drifted away from it (relative, since losses differ by task)
     birth_threshold: float = Field(1.05, gt=1, allow_inf_nan=False)
@@ -34,10 +41,14 @@ class VemoeSection(Section):
     personal_lora: bool = False
     baseline_run: str = ""  # a local-only run dir on the same clients: negative_transfer.png against it ("": none)
 
+    _pairs = field_validator("oracle", mode="before")(split_pairs)
+
     def check(self, cfg: RunConfig) -> None:
         pool = cfg.section(ExpertsSection)
         if self.k_init > pool.k_max:
             raise ValueError(f"vemoe.k-init: {self.k_init} exceeds experts.k-max={pool.k_max}")
+        if outside := {t: s for t, s in self.oracle.items() if not 0 <= s < self.k_init}:
+            raise ValueError(f"vemoe.oracle: slots {outside} are not among the {self.k_init} experts of round 1")
         if cfg.robust.clip_norm:  # the payload is r * theta, not an update of the pool the norm is measured from
             raise ValueError(
                 "robust.clip-norm: VEMoE's payload is each expert weighted by the client's responsibility, not an "

@@ -14,8 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def responsibilities(probe_losses: np.ndarray, active: np.ndarray, temperature: float) -> np.ndarray:
-    """r (K_max,): softmax of -loss / ``temperature`` over the active slots, 0 elsewhere; sums to 1.
+def responsibilities(
+    probe_losses: np.ndarray, active: np.ndarray, temperature: float, prior: np.ndarray | None = None
+) -> np.ndarray:
+    """r (K_max,): softmax of log prior - loss / ``temperature`` over the active slots, 0 elsewhere; sums to 1 (no
+    ``prior``, or one without mass on the active slots: uniform). With summed negative log-likelihoods and a
+    temperature of 1 it is the posterior over experts.
 
     ``probe_losses[k]`` is read only where ``active[k]``; an active slot's loss must be finite (a NaN or infinite
     probe loss is a broken expert or batch, not a preference: ValueError).
@@ -30,10 +34,15 @@ def responsibilities(probe_losses: np.ndarray, active: np.ndarray, temperature: 
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not np.all(np.isfinite(losses[mask])):
         raise ValueError(f"active experts' probe losses must be finite, got {losses[mask].tolist()}")
-    logits = np.where(mask, -losses / temperature, -np.inf)
-    logits -= logits[mask].max()
-    weights = np.where(mask, np.exp(logits), 0.0)
-    return weights / weights.sum()
+    weights = np.ones_like(losses) if prior is None else np.clip(np.nan_to_num(np.asarray(prior, np.float64)), 0, None)
+    if not (weights[mask] > 0).any():
+        weights = np.ones_like(losses)
+    with np.errstate(divide="ignore"):
+        log_prior = np.log(np.where(mask, weights, 0.0))
+    logits = np.where(mask & (weights > 0), log_prior - losses / temperature, -np.inf)
+    logits -= logits[np.isfinite(logits)].max()
+    r = np.where(np.isfinite(logits), np.exp(logits), 0.0)
+    return r / r.sum()
 
 
 def tied(probe_losses: np.ndarray, active: np.ndarray, tolerance: float = 1e-6) -> bool:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 log = get_logger("tessera.server")
 BIRTH_SLOT = "vemoe-birth-slot"  # train-instruction config key: the free slot a voter puts its candidate in
+PRIOR = "vemoe-prior"  # train-instruction config key (vemoe.likelihood = "summed"): each slot's prior, comma-joined
 ACTIVE, LOW_ROUNDS = "active", "low-rounds"  # state keys beside the pool's experts
 
 
@@ -103,6 +104,14 @@ class VEMoE(Strategy):
         slot = birth_slot(self.cfg.birth_min_votes, self.active, self.cfg.birth_min_votes)
         return -1 if slot is None else slot
 
+    def _prior(self) -> dict[str, str]:
+        """With ``likelihood = "summed"``: each active slot's share of last round's responsibility, counted with one
+        pseudo-client per slot (so that no active expert's prior is 0, a newborn's included); 0 on free slots."""
+        if self.cfg.likelihood != "summed":
+            return {}
+        counts = np.where(self.active, self.totals + 1.0, 0.0)
+        return {PRIOR: ",".join(f"{x:.6g}" for x in counts / counts.sum())}
+
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
         start = self._start()
         members = {nid: start for nid in node_ids if nid in self.members}
@@ -112,7 +121,7 @@ class VEMoE(Strategy):
             Group(
                 "pool",
                 members,
-                config={BIRTH_SLOT: self._free_slot()},
+                config={BIRTH_SLOT: self._free_slot(), **self._prior()},
                 weight_by=WEIGHT_EQUALLY,
                 max_weight=1.0,
             )
