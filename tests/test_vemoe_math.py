@@ -235,3 +235,13 @@ def test_an_oracle_client_routes_to_its_categorys_expert_alone_and_a_bad_oracle_
     assert client._responsibilities(rt, np.zeros(len(client.active))).tolist()[:4] == [0, 0, 1, 0]
     with pytest.raises(ConfigError, match="vemoe.oracle"):
         load_run_config({"strategy": "vemoe", "vemoe.oracle": "question generation=5"})
+
+
+def test_a_client_no_expert_serves_distinctively_votes_for_a_birth():
+    from strategies.vemoe.routing import unserved
+
+    active = np.array([True, True, True, False])
+    flat, sharp = np.array([0.34, 0.33, 0.33, 0.0]), np.array([0.9, 0.05, 0.05, 0.0])
+    assert unserved(flat, active, 0.9) and not unserved(sharp, active, 0.9)
+    assert not unserved(flat, active, 0.0)  # off
+    assert not unserved(np.array([1.0, 0, 0, 0]), np.array([True, False, False, False]), 0.9)  # one expert: no choice

@@ -3,12 +3,14 @@ responsibilities r, route its tokens between its top-m experts, and send the con
 (its trained experts weighted by r, r itself, and its birth vote with a candidate in the free slot).
 
 The client votes for a new expert when its best expert's probe loss is above ``vemoe.birth-threshold`` times the
-best it has seen in earlier rounds on the same probe batch (the pool has drifted away from it); its candidate is its
-trained copy of its best expert. In round 1 every expert still computes the base model (B = 0), so the probe losses
-tie exactly; r is then each expert's share of the first-order gain a step on it offers (the squared gradient of the
-probe loss in its B, ``routing.gain_shares``), which differs by slot (each has its own random A) and follows the
-client's data, instead of a coin flip. Its responsibilities and best loss stay in its state, so an evaluation routes
-as its training did.
+best it has seen in earlier rounds on the same probe batch (the pool has drifted away from it), or, with
+``vemoe.birth-spread`` > 0, when no expert serves it distinctively (its r as spread as that share of uniform:
+``routing.unserved``; never on round 1's tie); its candidate is its trained copy of its best expert.
+
+In round 1 every expert still computes the base model (B = 0), so the probe losses tie exactly; r is then each
+expert's share of the first-order gain a step on it offers (the squared gradient of the probe loss in its B,
+``routing.gain_shares``), which differs by slot (each has its own random A) and follows the client's data, instead
+of a coin flip. Its responsibilities and best loss stay in its state, so an evaluation routes as its training did.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ..base import Arrays
 from ..client import ClientRuntime, StrategyClient
 from .config import VemoeSection
 from .pool import RESPONSIBILITY, VOTE, client_payload
-from .routing import gain_shares, responsibilities, tied, top_m
+from .routing import gain_shares, responsibilities, tied, top_m, unserved
 from .server import BIRTH_SLOT, PRIOR
 
 log = get_logger("tessera.client")
@@ -79,7 +81,9 @@ class VEMoEClient(StrategyClient):
             self.r = self._responsibilities(rt, losses)
             best = float(np.min(losses[self.active]))
             before = float(kept["best"][0]) if kept is not None else np.inf
-            self.vote = training and self.birth_slot >= 0 and best > self.vemoe.birth_threshold * before
+            drifted = best > self.vemoe.birth_threshold * before  # the pool moved away from it
+            alone = not tied(losses, self.active) and unserved(self.r, self.active, self.vemoe.birth_spread)
+            self.vote = training and self.birth_slot >= 0 and (drifted or alone)
             rt.state.put(ROUTE, {"r": self.r.astype(np.float32), "best": np.array([min(best, before)], np.float32)})
         else:
             self.r = np.asarray(kept["r"], dtype=np.float64)

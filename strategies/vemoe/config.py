@@ -33,6 +33,9 @@ class VemoeSection(Section):
     # seen in earlier rounds: the pool has drifted away from it (relative, since losses differ by task)
     birth_threshold: float = Field(1.05, gt=1, allow_inf_nan=False)
     birth_min_votes: int = Field(2, ge=1)  # votes a birth needs (a free slot too)
+    # > 0: a client also votes when no expert serves it distinctively: the entropy of its r above this share of the
+    # uniform's (a client whose category has no expert of its own); 0: off (only drift votes)
+    birth_spread: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     prune_threshold: float = Field(0.05, ge=0, lt=1, allow_inf_nan=False)  # share of the round's responsibility
     prune_patience: int = Field(2, ge=1)  # rounds below prune-threshold before the slot is freed
     merge_threshold: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)  # cosine of delta-W above which two merge

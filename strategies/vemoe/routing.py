@@ -63,6 +63,18 @@ def gain_shares(gains: np.ndarray, active: np.ndarray) -> np.ndarray:
     return g / g.sum() if g.sum() > 0 else mask / mask.sum()
 
 
+def unserved(r: np.ndarray, active: np.ndarray, spread: float) -> bool:
+    """Whether no expert serves a client distinctively: its responsibilities' entropy is above ``spread`` (0..1) of
+    the most the active experts allow (log of their count), i.e. it tells them apart no better than that. Such a
+    client votes for a birth: its candidate becomes an expert of its own. ``spread`` 0: never (off)."""
+    mask = np.asarray(active, dtype=bool)
+    if not spread or mask.sum() < 2:
+        return False
+    p = np.asarray(r, dtype=np.float64)[mask]
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum()) > spread * float(np.log(mask.sum()))
+
+
 def top_m(r: np.ndarray, m: int, tie_order: np.ndarray | None = None) -> np.ndarray:
     """The (at most) ``m`` slots of largest responsibility among those with r > 0, ascending slot order. Ties go to
     the slot earlier in ``tie_order`` (a permutation of the slots; default: the lower slot). New experts are all the
