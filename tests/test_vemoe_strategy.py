@@ -66,7 +66,8 @@ def test_vemoe_runs_plain_and_secure_and_the_secure_pool_is_the_plain_one(tiny_l
     runs = {}
     for secure in (False, True):
         run_dir = tmp_path / f"secure-{secure}"
-        run_in_child("test_toy_strategy", "run_in_process", config(tiny_llama_dir, run_dir, secure=secure), 3)
+        settings = config(tiny_llama_dir, run_dir, secure=secure, **{"vemoe.first-round": "gradient"})
+        run_in_child("test_toy_strategy", "run_in_process", settings, 3)
         rows = _rows(run_dir)
         trained = [r for r in rows if r["round"] == 1 and r["node"] is not None]
         assert len(trained) == 3 and all(r["accepted"] for r in trained)

@@ -26,6 +26,11 @@ class VemoeSection(Section):
     # r_k ~ prior_k x p(probe | expert k), from the probe's SUMMED log-likelihood (10-80 answer tokens: 5-40 times
     # sharper), the prior the pool's share of last round's responsibility (counted by the server; uniform in round 1)
     likelihood: Literal["mean", "summed"] = "mean"
+    # round 1, where every expert still computes the base model and the probe losses tie: "spread" breaks the tie in a
+    # per-client order (clients spread over the experts at random); "gradient": r from each expert's first-order gain
+    # on the probe (its squared gradient in B). Seen once on the real model (3 clients, e2e): every client chose the
+    # same two experts by gradient and the third got nothing, so "spread" stays the default until chosen on validation
+    first_round: Literal["spread", "gradient"] = "spread"
     # the oracle run: a client whose task set is named here routes to that expert slot alone (one-hot r), so each
     # category has its own expert by hand ("question generation=0,answer generation=1"): what routing could win
     oracle: dict[str, int] = Field(default_factory=dict)
