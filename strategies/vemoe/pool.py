@@ -142,10 +142,7 @@ def prune(
 def delta_w(expert: Arrays) -> np.ndarray:
     """The expert's weight change, every layer's B @ A flattened and concatenated (the scale alpha / r is common
     to every expert, so it does not change a cosine)."""
-    parts = [
-        (np.asarray(expert[b], dtype=np.float64) @ np.asarray(expert[a], dtype=np.float64)).ravel()
-        for _, (a, b) in sorted(layers(expert).items())
-    ]
+    parts = [_product(expert, a, b).ravel() for _, (a, b) in sorted(layers(expert).items())]
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
