@@ -33,4 +33,11 @@ stop_dockerd() {
   exit "$rc"
 }
 trap stop_dockerd EXIT
-python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 "$@" tests
+# The unit tests (tiny models, in-process) on every core; then the end-to-end runs one at a time: each starts its own
+# processes on all the cores (SuperLink, SuperNodes, Ray) and waits on timeouts sized for a machine of its own.
+workers=$(python3 -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
+# Both phases run whatever the first gives; the script fails if either did.
+rc=0
+python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 -n "$workers" -m "not e2e" "$@" tests || rc=$?
+python3 -m pytest -q -p no:cacheprovider -rfEs --durations=0 -m e2e "$@" tests || rc=$?
+exit "$rc"

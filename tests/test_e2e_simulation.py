@@ -57,18 +57,18 @@ def global_adapter(run_dir: Path) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def plain_run(flwr_home, tmp_path_factory):
     """Two plain rounds, run as one round and a resumed second, keeping the round-1 global adapter (the secure
-    test compares its own round 1 with it)."""
+    test compares its own round 1 with it) and the rows before the resume (the resume test reads them)."""
     run_dir = tmp_path_factory.mktemp("plain") / "run"
     proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=1 run-dir='{run_dir}'")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    round_one = global_adapter(run_dir)
+    round_one, before_resume = global_adapter(run_dir), read_metrics(run_dir)
     proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=2 resume=true run-dir='{run_dir}'")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return run_dir, proc, round_one
+    return run_dir, proc, round_one, before_resume
 
 
 def test_fedavg_plain_trains_every_client_and_saves_a_loadable_adapter(plain_run):
-    run_dir, proc, _ = plain_run
+    run_dir, proc, _, _ = plain_run
     rows = read_metrics(run_dir)
     assert sorted({r["round"] for r in rows}) == [0, 1, 2]
     assert_every_client_improved(rows, 2)
@@ -100,15 +100,14 @@ def test_fedavg_plain_trains_every_client_and_saves_a_loadable_adapter(plain_run
     assert any(np.abs(v).max() > 0 for k, v in loaded.items() if "lora_B" in k)  # B moved off its zero init
 
 
-def test_resume_continues_after_the_last_completed_round(plain_run, flwr_home):
-    run_dir, _, _ = plain_run
-    before = read_metrics(run_dir)
-    proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=3 resume=true run-dir='{run_dir}'")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+def test_resume_continues_after_the_last_completed_round(plain_run):
+    """The fixture's second `flwr run` (resume=true, 2 rounds) after its first (1 round): no run of its own."""
+    run_dir, proc, _, before = plain_run
+    assert "resuming after round 1" in proc.stdout + proc.stderr, proc.stdout[-3000:]
     after = read_metrics(run_dir)
     assert after[: len(before)] == before  # earlier rounds untouched, round 0 not re-run
-    assert [r["round"] for r in after[len(before) :]] == [3] * 4  # one new round: 3 clients + aggregate
-    assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["round"] == 3
+    assert [r["round"] for r in after[len(before) :]] == [2] * 4  # one new round: 3 clients + aggregate
+    assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["round"] == 2
 
 
 def test_fedavg_secure_matches_plain(plain_run, flwr_home, tmp_path):
