@@ -36,20 +36,22 @@ def test_local_state_is_per_client_and_only_active_blocks_travel(adapter):
     alice, bob = context(1), context(2)
     received = {k: np.full_like(v, 0.01) for k, v in pq.initial.items()}
     pq.begin(alice, received)
-    pq.prepare_training([1])
+    pq.set_active_blocks([1])  # what SimGrad's client half does with its group's routing
+    pq.prepare_training()
     train_round(pq.model, tokenizer, EXAMPLES, cfg.train_settings(), 0.05, seed=0)
-    sent, metrics = pq.outgoing([1])
+    sent, metrics = pq.outgoing()
     pq.end(alice)
     assert sorted(sent) == sorted(k for k in pq.initial if k.startswith("block1."))  # routing: block 0 stays home
     assert metrics["active_blocks"] == [1] and len(metrics["beta"]) == 2
     assert np.abs(sent["block1.q_proj.P"]).sum() > 0
 
     pq.begin(bob, None)  # a fresh client starts from zeros, not from alice's training
-    assert all(not np.any(v) for v in pq.outgoing(None)[0].values())
+    assert all(not np.any(v) for v in pq.outgoing()[0].values())
     pq.end(bob)
 
     pq.begin(alice, None)  # alice gets her own local P/Q and her last global part back
-    again, _ = pq.outgoing([1])
+    pq.set_active_blocks([1])
+    again, _ = pq.outgoing()
     np.testing.assert_allclose(again["block1.q_proj.P"], sent["block1.q_proj.P"], atol=1e-6)
     np.testing.assert_allclose(get_pq_arrays(pq.model, "global")["block0.q_proj.P"], 0.01)
     block0 = get_pq_arrays(pq.model, "local")["block0.q_proj.P"]
@@ -65,13 +67,13 @@ def test_alignment_reports_errors_once_a_reference_exists(adapter):
     simgrad, rt = SimGradClient(cfg), SimpleNamespace(adapter=pq)
     ctx = context(3)
     pq.begin(ctx, None)
-    pq.prepare_training(None)
+    pq.prepare_training()
     train_round(pq.model, tokenizer, EXAMPLES, cfg.train_settings(), 0.05, seed=0)
-    _, first = simgrad.outgoing(rt, pq.outgoing(None)[0], None)
+    _, first = simgrad.outgoing(rt, pq.outgoing()[0])
     assert "align_error_before" not in first  # round 1: the global part is still zero, nothing to align to
     rng = np.random.default_rng(0)
     pq.begin(ctx, {k: rng.normal(size=v.shape).astype(np.float32) for k, v in pq.initial.items()})
-    _, later = simgrad.outgoing(rt, pq.outgoing(None)[0], None)
+    _, later = simgrad.outgoing(rt, pq.outgoing()[0])
     assert later["align_error_after"] <= later["align_error_before"]
 
 

@@ -119,7 +119,7 @@ class VEMoEClient(StrategyClient):
             losses[slot] = measure(int(slot), lambda model: batch_loss(model, rt.tokenizer, batch, max_len))
         return losses
 
-    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         """The payload: its top-m experts as trained, weighted by r renormalised over them (what it trained)."""
         slots = split_slots(arrays, self.pool.k_max)
         r = np.zeros(self.pool.k_max)
