@@ -77,6 +77,26 @@ def test_alignment_reports_errors_once_a_reference_exists(adapter):
     assert later["align_error_after"] <= later["align_error_before"]
 
 
+def test_simgrad_routes_pqlora_to_the_blocks_its_group_was_sent(adapter):
+    """The routed blocks travel in SimGrad's own instruction key (``strategies.simgrad.wire``) and reach PQ-LoRA
+    through SimGrad's client half (``ready``), not through the generic handler; every message starts unrouted."""
+    from types import SimpleNamespace
+
+    from strategies.simgrad import SimGradClient
+    from strategies.simgrad.wire import blocks_config
+
+    pq, _, cfg = adapter
+    simgrad, rt = SimGradClient(cfg), SimpleNamespace(adapter=pq)
+    pq.begin(context(4), None)
+    simgrad.ready(rt, {"server-round": 1, **blocks_config([1])}, training=True)
+    assert pq.active_blocks == [1]
+    assert sorted(pq.outgoing()[0]) == sorted(k for k in pq.initial if k.startswith("block1."))
+    pq.begin(context(4), None)  # the next message: every block until its group's routing says otherwise
+    assert pq.active_blocks is None
+    simgrad.ready(rt, {"server-round": 1}, training=False)  # an evaluation carries no routing
+    assert pq.active_blocks is None and sorted(pq.received()) == sorted(pq.initial)
+
+
 def test_client_state_refuses_undeclared_keys():
     state = ClientState(RecordDict(), ("pqlora.local",))
     state.put("pqlora.local", {"x": np.ones(2, np.float32)})
