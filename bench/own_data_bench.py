@@ -65,7 +65,7 @@ def one(path: str, steps: int) -> dict[str, Any]:
     ready = time.perf_counter() - started
     rss_ready = rss_mb()
     rt.adapter.begin(rt.state, rt.adapter.initial)
-    rt.adapter.prepare_training(None)
+    rt.adapter.prepare_training()
     settings = rt.cfg.train_settings()
     metrics = train_round(rt.model, rt.tokenizer, rt.train, settings, settings.learning_rate, seed=0)
     return {

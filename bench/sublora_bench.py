@@ -56,7 +56,7 @@ def run_one(base, tokenizer, flat: dict[str, Any], args) -> tuple[dict[str, Any]
     settings = cfg.train_settings()
     losses = []
     for server_round in range(1, args.rounds + 1):
-        adapter.prepare_training(None)
+        adapter.prepare_training()
         lr = round_learning_rate(settings, server_round, args.rounds)
         out = train_round(
             adapter.model, tokenizer, train, settings, lr, seed=server_round, lr_groups=adapter.lr_groups()
@@ -64,7 +64,7 @@ def run_one(base, tokenizer, flat: dict[str, Any], args) -> tuple[dict[str, Any]
         losses.append(out["train_loss"])
     seconds = time.perf_counter() - start
     after = answer_loss(adapter.model, tokenizer, held_out, cfg.eval.batch_size, cfg.train.max_seq_len)
-    sent, _ = adapter.outgoing(None)
+    sent, _ = adapter.outgoing()
     row: dict[str, Any] = {
         "numbers_sent": int(sum(v.size for v in sent.values())),
         "train_examples": len(train),

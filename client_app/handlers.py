@@ -88,21 +88,15 @@ def node_train_settings(settings: TrainSection, node_config: dict) -> TrainSecti
     return settings.model_copy(update={"micro_batch_size": micro})
 
 
-def _active_blocks(config: dict) -> list[int] | None:
-    value = str(config.get("active-blocks", "")).strip()
-    return [int(b) for b in value.split(",")] if value else None
-
-
 def train(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
     config = read_train_config(msg.content)
     rt.strategy.configure(rt, config)
     arrays = read_train_arrays(msg.content, rt.strategy.wire_reference(rt, config))
-    active = _active_blocks(config)
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     rt.strategy.ready(rt, config, training=True)
     guarded = guard(rt)
-    rt.adapter.prepare_training(active)
+    rt.adapter.prepare_training()
     server_round = int(config.get("server-round", 1))
     settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
     lr = round_learning_rate(settings, server_round, int(config.get("num-server-rounds", rt.cfg.num_server_rounds)))
@@ -122,11 +116,11 @@ def train(msg: Message, context: Context) -> Message:
         own = rt.state.get(GUARD_STATE_KEY) or {}
         rt.state.put(GUARD_STATE_KEY, snapshot(rt.model, sorted({*own, *trained_names(rt.model)})))
     metrics.update(as_train(guarded))
-    updated, adapter_metrics = rt.adapter.outgoing(active)
+    updated, adapter_metrics = rt.adapter.outgoing()
     if not math.isfinite(metrics["train_loss"]) or not all(np.all(np.isfinite(a)) for a in updated.values()):
         # Never send (or mask, under SecAgg+, or keep) a diverged update: the error makes the server leave it out.
         raise RuntimeError(f"partition {rt.partition_id}: training diverged (loss {metrics['train_loss']})")
-    updated, strategy_metrics = rt.strategy.outgoing(rt, updated, active)
+    updated, strategy_metrics = rt.strategy.outgoing(rt, updated)
     rt.adapter.end(rt.state)
     metrics.update(adapter_metrics)
     metrics.update(strategy_metrics)

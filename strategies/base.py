@@ -75,7 +75,7 @@ class Group:
         name: a label for logs and metrics.
         start: per member node id, the adapter it trains from this round.
         send_back: the array names members return (default: every name in ``start``).
-        config: extra train-instruction settings for the members (e.g. which adapter blocks are active).
+        config: extra train-instruction settings for the members (e.g. the blocks SimGrad routes them to).
         member_configs: per member node id, settings for that member only (e.g. its own LoRA ranks).
         weight_by: each member's weight in the group's sum: ``"examples"``, ``"equal"`` or a name the strategy's
             client half knows (``StrategyClient.member_weight``); the client reports it as a whole number.

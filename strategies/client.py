@@ -102,7 +102,7 @@ class StrategyClient:
         """This round's report (arrays and metrics) for a server half with ``wants_reports``."""
         raise ValueError(f"strategy '{self.cfg.strategy}' sends no reports")
 
-    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         """What is sent after training (default: the adapter's update as it is) and metrics to add to the reply."""
         return arrays, {}
 
@@ -125,5 +125,5 @@ def save_whole_adapter(rt: ClientRuntime, out_dir: Path) -> Path | None:
     own = rt.adapter.save(out_dir, rt.model_name)
     if own is not None:
         return own
-    arrays, _ = rt.adapter.outgoing(None)
+    arrays, _ = rt.adapter.outgoing()
     return type(rt.adapter).save_server_copy(arrays, rt.cfg, rt.model_name, out_dir)

@@ -54,11 +54,11 @@ def test_own_ranks_are_attached_trained_and_sent_padded_with_masks(tiny_llama_di
     a_name = lora_ranks.layers(start)[paths[0]][0]
     np.testing.assert_array_equal(start[a_name], received[a_name][: own[paths[0]]])  # its slots of the group's
     rt.adapter.begin(rt.state, start)
-    rt.adapter.prepare_training(None)
+    rt.adapter.prepare_training()
     settings = rt.cfg.train_settings()
     train_round(rt.adapter.model, rt.tokenizer, EXAMPLES, settings, 0.01, seed=0)
-    trained, _ = rt.adapter.outgoing(None)
-    sent, _ = client.outgoing(rt, trained, None)
+    trained, _ = rt.adapter.outgoing()
+    sent, _ = client.outgoing(rt, trained)
     assert {k: v.shape for k, v in sent.items()} == {k: v.shape for k, v in reference.items()}
     for path, (a, b) in lora_ranks.layers(lora_ranks.without_masks(sent)).items():
         assert not sent[a][own[path] :].any() and not sent[b][:, own[path] :].any()  # padding stays zero

@@ -110,7 +110,7 @@ def test_the_client_keeps_its_own_adapter_and_steps_only_toward_a_neighbour_term
         client = AtlasClient(cfg)
         client.neighbour_term = False
         np.testing.assert_array_equal(client.start(rt, trained(7))["a"], trained(7)["a"])  # round 1: what was sent
-        client.outgoing(rt, trained(1), None)
+        client.outgoing(rt, trained(1))
         client.neighbour_term = True
         start = client.start(rt, trained(5))
         expected = trained(5)["a"] if eta == 0 else 0.75 * trained(1)["a"] + 0.25 * trained(5)["a"]

@@ -36,20 +36,22 @@ def test_local_state_is_per_client_and_only_active_blocks_travel(adapter):
     alice, bob = context(1), context(2)
     received = {k: np.full_like(v, 0.01) for k, v in pq.initial.items()}
     pq.begin(alice, received)
-    pq.prepare_training([1])
+    pq.set_active_blocks([1])  # what SimGrad's client half does with its group's routing
+    pq.prepare_training()
     train_round(pq.model, tokenizer, EXAMPLES, cfg.train_settings(), 0.05, seed=0)
-    sent, metrics = pq.outgoing([1])
+    sent, metrics = pq.outgoing()
     pq.end(alice)
     assert sorted(sent) == sorted(k for k in pq.initial if k.startswith("block1."))  # routing: block 0 stays home
     assert metrics["active_blocks"] == [1] and len(metrics["beta"]) == 2
     assert np.abs(sent["block1.q_proj.P"]).sum() > 0
 
     pq.begin(bob, None)  # a fresh client starts from zeros, not from alice's training
-    assert all(not np.any(v) for v in pq.outgoing(None)[0].values())
+    assert all(not np.any(v) for v in pq.outgoing()[0].values())
     pq.end(bob)
 
     pq.begin(alice, None)  # alice gets her own local P/Q and her last global part back
-    again, _ = pq.outgoing([1])
+    pq.set_active_blocks([1])
+    again, _ = pq.outgoing()
     np.testing.assert_allclose(again["block1.q_proj.P"], sent["block1.q_proj.P"], atol=1e-6)
     np.testing.assert_allclose(get_pq_arrays(pq.model, "global")["block0.q_proj.P"], 0.01)
     block0 = get_pq_arrays(pq.model, "local")["block0.q_proj.P"]
@@ -65,14 +67,34 @@ def test_alignment_reports_errors_once_a_reference_exists(adapter):
     simgrad, rt = SimGradClient(cfg), SimpleNamespace(adapter=pq)
     ctx = context(3)
     pq.begin(ctx, None)
-    pq.prepare_training(None)
+    pq.prepare_training()
     train_round(pq.model, tokenizer, EXAMPLES, cfg.train_settings(), 0.05, seed=0)
-    _, first = simgrad.outgoing(rt, pq.outgoing(None)[0], None)
+    _, first = simgrad.outgoing(rt, pq.outgoing()[0])
     assert "align_error_before" not in first  # round 1: the global part is still zero, nothing to align to
     rng = np.random.default_rng(0)
     pq.begin(ctx, {k: rng.normal(size=v.shape).astype(np.float32) for k, v in pq.initial.items()})
-    _, later = simgrad.outgoing(rt, pq.outgoing(None)[0], None)
+    _, later = simgrad.outgoing(rt, pq.outgoing()[0])
     assert later["align_error_after"] <= later["align_error_before"]
+
+
+def test_simgrad_routes_pqlora_to_the_blocks_its_group_was_sent(adapter):
+    """The routed blocks travel in SimGrad's own instruction key (``strategies.simgrad.wire``) and reach PQ-LoRA
+    through SimGrad's client half (``ready``), not through the generic handler; every message starts unrouted."""
+    from types import SimpleNamespace
+
+    from strategies.simgrad import SimGradClient
+    from strategies.simgrad.wire import blocks_config
+
+    pq, _, cfg = adapter
+    simgrad, rt = SimGradClient(cfg), SimpleNamespace(adapter=pq)
+    pq.begin(context(4), None)
+    simgrad.ready(rt, {"server-round": 1, **blocks_config([1])}, training=True)
+    assert pq.active_blocks == [1]
+    assert sorted(pq.outgoing()[0]) == sorted(k for k in pq.initial if k.startswith("block1."))
+    pq.begin(context(4), None)  # the next message: every block until its group's routing says otherwise
+    assert pq.active_blocks is None
+    simgrad.ready(rt, {"server-round": 1}, training=False)  # an evaluation carries no routing
+    assert pq.active_blocks is None and sorted(pq.received()) == sorted(pq.initial)
 
 
 def test_client_state_refuses_undeclared_keys():

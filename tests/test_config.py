@@ -45,6 +45,26 @@ def test_invalid_values_name_their_key(override, key):
     assert f"{key}:" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("key", "fits", "refused"),
+    [
+        ("fedavg.adapter", ["lora", "sublora"], ["pqlora", "lora-dual", "experts", "prefix"]),
+        ("local.adapter", ["lora", "pqlora", "sublora"], ["pqlora-dual", "experts", "experts-dual", "prefix"]),
+    ],
+)
+def test_a_strategy_that_picks_its_adapter_kind_accepts_the_registered_kinds_it_can_train(key, fits, refused):
+    """``fedavg.adapter`` and ``local.adapter`` are checked against ``common.adapters.ADAPTER_KINDS``: the kinds the
+    strategy can train are accepted, any other name (a kind it cannot train, or none) names the key and them."""
+    strategy = key.split(".")[0]
+    for name in fits:
+        assert load_run_config({"strategy": strategy, key: name}).adapter == name
+    for name in refused:
+        with pytest.raises(ConfigError) as err:
+            load_run_config({"strategy": strategy, key: name})
+        assert f"{key}: '{name}' is not an adapter kind" in str(err.value)
+        assert f"(have: {', '.join(fits)})" in str(err.value)
+
+
 def test_csv_lists_and_nesting():
     cfg = load_run_config({"lora.target-modules": "q_proj, k_proj ,v_proj", "data.tasks": "boolq"})
     assert cfg.section(LoraSection).target_modules == ["q_proj", "k_proj", "v_proj"]

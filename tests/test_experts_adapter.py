@@ -157,7 +157,7 @@ def test_the_adapter_kind_trains_the_routed_slots_keeps_its_routers_and_saves_lo
     assert [layer.lora_B.requires_grad for layer in expert_layers(kind.model)] == flags  # left as it was found
     assert all(layer.lora_B.grad is None for layer in expert_layers(kind.model))
     kind.route([0, 2], [0.5, 0.5])
-    kind.prepare_training(None)
+    kind.prepare_training()
     # weight decay 0, as train.weight-decay's default: decay would also shrink the slots no token was routed to
     # (their payload share is r = 0 either way)
     opt = torch.optim.AdamW([p for p in kind.model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.0)
@@ -166,7 +166,7 @@ def test_the_adapter_kind_trains_the_routed_slots_keeps_its_routers_and_saves_lo
         opt.zero_grad()
         loss.backward()
         opt.step()
-    sent, _ = kind.outgoing(None)
+    sent, _ = kind.outgoing()
     moved = [
         s
         for s, (now, then) in enumerate(zip(split_slots(sent, 3), split_slots(kind.initial, 3)))

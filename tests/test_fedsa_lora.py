@@ -283,7 +283,7 @@ def both_modes_in_process(tmp_path: str) -> None:
         rt = SimpleNamespace(adapter=SimpleNamespace(initial=adapter()), state=ClientState(context.state, (OWN_B,)))
         config = read_train_config(msg.content)
         start = half.start(rt, read_train_arrays(msg.content, half.wire_reference(rt, config)))
-        sent, _ = half.outgoing(rt, trained(partition, start), None)
+        sent, _ = half.outgoing(rt, trained(partition, start))
         messages = len(list(out.glob(f"b-{partition}-*.npz")))
         np.savez(out / f"b-{partition}-{messages + 1}.npz", **rt.state.get(OWN_B))
         weight = min(examples(partition), int(float(config.get(SECAGG_MAX_WEIGHT, MAX_WEIGHT))))

@@ -104,7 +104,7 @@ def runtime(tiny_llama_dir, settings: dict) -> ClientRuntime:
 def trained_own(rt: ClientRuntime) -> dict[str, np.ndarray]:
     """The client trains from the run's initial adapter and keeps its own copy, as the train handler does."""
     rt.adapter.begin(rt.state, rt.adapter.initial)
-    rt.adapter.prepare_training(None)
+    rt.adapter.prepare_training()
     train_round(rt.model, rt.tokenizer, TRAIN, rt.cfg.train_settings(), 0.05, seed=0)
     own = snapshot(rt.model, trained_names(rt.model))
     rt.state.put(GUARD_STATE_KEY, own)

@@ -143,7 +143,7 @@ def test_eta_zero_clients_train_only_their_own_adapter():
     for eta in (0.0, 0.5):
         mira_client, rt = client(eta)
         np.testing.assert_array_equal(mira_client.start(rt, initial())["a"], initial()["a"])  # round 1
-        sent, _ = mira_client.outgoing(rt, trained(1), None)  # the trained adapter is kept and sent
+        sent, _ = mira_client.outgoing(rt, trained(1))  # the trained adapter is kept and sent
         np.testing.assert_array_equal(sent["a"], trained(1)["a"])
         start = mira_client.start(rt, neighbours)
         expected = trained(1)["a"] if eta == 0 else 0.5 * trained(1)["a"] + 0.5 * neighbours["a"]

@@ -59,10 +59,10 @@ def test_the_personal_lora_trains_stays_home_and_survives_node_state(tiny_llama_
     received = {k: np.full_like(v, 0.01) for k, v in adapter.initial.items()}
 
     begin(adapter, alice, received)
-    adapter.prepare_training(None)
+    adapter.prepare_training()
     lr = cfg.train_settings().learning_rate
     train_round(adapter.model, tokenizer, EXAMPLES, cfg.train_settings(), lr, seed=0, lr_groups=adapter.lr_groups())
-    sent, _ = adapter.outgoing(None)
+    sent, _ = adapter.outgoing()
     trained = get_personal_arrays(adapter.model)
     adapter.end(alice)
     assert sorted(sent) == sorted(adapter.initial)  # what travels: the global path's names only
@@ -88,7 +88,7 @@ def test_each_path_steps_at_its_own_rate_and_exports_as_peft(tiny_llama_dir, tmp
     flat = {**CONFIGS[name], "personal.learning-rate": 0.5}
     adapter, cfg, _ = build(tiny_llama_dir, flat)
     begin(adapter, node_state(1, adapter.state_keys), adapter.initial)
-    adapter.prepare_training(None)
+    adapter.prepare_training()
     groups = adapter.lr_groups()
     trainable = [p for p in adapter.model.parameters() if p.requires_grad]
     assert sum(len(ps) for ps, _ in groups) == len(trainable)
@@ -230,7 +230,7 @@ def test_the_gates_step_at_their_own_rate(tiny_llama_dir, local_path):
     for gate_lr in (0.0, 1.0):
         adapter, cfg, keys = build(tiny_llama_dir, {**flat, "pqlora.gate-learning-rate": gate_lr})
         adapter.begin(node_state(1, keys), {k: np.full_like(v, 0.01) for k, v in adapter.initial.items()})
-        adapter.prepare_training(None)
+        adapter.prepare_training()
         groups = adapter.lr_groups()
         if gate_lr:
             gates, scale = groups[-1]

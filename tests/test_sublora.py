@@ -146,7 +146,7 @@ def test_the_gates_step_at_their_own_rate_when_given_one(tiny_llama_dir):
         )  # fmt: skip
         adapter = adapter_kind("sublora")(_load(tiny_llama_dir), cfg)
         adapter.begin(None, _random_alpha(adapter.model, scale=0.1))  # type: ignore[arg-type]
-        adapter.prepare_training(None)
+        adapter.prepare_training()
         groups = adapter.lr_groups()
         gates = subspace_of(adapter.model).gates
         assert gates is not None
@@ -172,7 +172,7 @@ def test_learned_gates_and_alpha_receive_gradients_and_training_lowers_the_loss_
     adapter = adapter_kind("sublora")(_load(tiny_llama_dir, "nf4"), cfg)
     tokenizer = load_tokenizer(str(tiny_llama_dir))
     adapter.begin(None, adapter.initial)  # type: ignore[arg-type]  # SubLoRA reads no state
-    adapter.prepare_training(None)
+    adapter.prepare_training()
     subspace = subspace_of(adapter.model)
     assert subspace.gates is not None and subspace.gates.shape == (2,)  # one gate per block
     from common.training import batch_loss
@@ -190,7 +190,7 @@ def test_learned_gates_and_alpha_receive_gradients_and_training_lowers_the_loss_
     train_round(adapter.model, tokenizer, EXAMPLES, settings, settings.learning_rate, seed=0)
     with torch.no_grad():
         after = float(batch_loss(adapter.model, tokenizer, EXAMPLES, 128))
-    sent, _ = adapter.outgoing(None)
+    sent, _ = adapter.outgoing()
     assert sorted(sent) == ["alpha", "gates"] and sent["alpha"].shape == (64,)
     assert after < before - 0.1, (before, after)
 

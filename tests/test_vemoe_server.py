@@ -11,7 +11,8 @@ from common.adapters.experts.adapter import join_slots, split_slots
 from strategies.base import ClientInfo, GroupResult
 from strategies.vemoe.config import VemoeSection
 from strategies.vemoe.pool import RESPONSIBILITY, client_payload
-from strategies.vemoe.server import BIRTH_SLOT, VEMoE
+from strategies.vemoe.server import VEMoE
+from strategies.vemoe.wire import BIRTH_SLOT
 
 LAYER = "model.layers.0.self_attn.q_proj"
 K = 4
@@ -155,7 +156,7 @@ def test_the_run_plots_are_drawn_and_negative_transfer_needs_a_baseline(server, 
 
 
 def test_with_summed_likelihood_the_server_sends_a_counted_prior_that_never_zeroes_an_active_expert():
-    from strategies.vemoe.server import PRIOR
+    from strategies.vemoe.wire import PRIOR
 
     rng = np.random.default_rng(0)
     strategy = VEMoE(ExpertsSection(k_max=K, r=2, top_m=2), VemoeSection(k_init=2, likelihood="summed"))

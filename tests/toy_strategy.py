@@ -84,7 +84,7 @@ class ToyMeanClient(StrategyClient):
 
     state_keys: ClassVar[tuple[str, ...]] = ("toymean.rounds",)
 
-    def outgoing(self, rt: Any, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: Any, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         kept = rt.state.get("toymean.rounds")
         rounds = 1 + (int(kept["n"]) if kept is not None else 0)
         rt.state.put("toymean.rounds", {"n": np.asarray(rounds, np.float32)})

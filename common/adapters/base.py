@@ -1,4 +1,5 @@
-"""What every adapter kind is, as a typed protocol, and the per-client state it may keep.
+"""What every adapter kind is (the typed protocol ``AdapterKind``), the defaults every kind inherits
+(``AdapterBase``), and the per-client state a kind may keep.
 
 One process serves many clients (Ray actors in simulation, the node's model worker in deployment) on ONE frozen
 base model per (model, quantisation, device): an adapter is attached on top of it, and everything that belongs to
@@ -7,6 +8,7 @@ one client lives in that client's ``ClientState`` and is swapped into the shared
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -90,6 +92,8 @@ class AdapterKind(Protocol):
         section: its run-config section class (``section.key`` is the config prefix, e.g. ``lora``).
         extra_sections: sections of the parts it composes (the dual-path kinds' ``personal.*``).
         state_keys: the ``ClientState`` keys it keeps between messages (empty: the server sends everything).
+        keeps_adapter: whether those keys hold the client's whole adapter, so that ``begin(state, None)`` resumes it
+            (PQ-LoRA); False: the server or the strategy gives the adapter every message.
         reply_metrics: metrics it adds to a train reply, copied into metrics.jsonl (name -> list element type, or
             None for a number).
 
@@ -100,6 +104,7 @@ class AdapterKind(Protocol):
     section: ClassVar[type[Section]]
     extra_sections: ClassVar[tuple[type[Section], ...]]
     state_keys: ClassVar[tuple[str, ...]]
+    keeps_adapter: ClassVar[bool]
     reply_metrics: ClassVar[dict[str, type | None]]
     model: nn.Module  # the base model with this adapter attached: what trains and evaluates
     initial: Arrays  # the client's first adapter: the names and shapes of everything sent and received
@@ -117,8 +122,8 @@ class AdapterKind(Protocol):
         """Swap one client's kept state in, then what the server sent (None: keep the client's own)."""
         ...
 
-    def prepare_training(self, active: list[int] | None) -> None:
-        """Make trainable what this round trains (``active``: the blocks a routing strategy chose; None: all)."""
+    def prepare_training(self) -> None:
+        """Make trainable what this round trains."""
         ...
 
     def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
@@ -126,11 +131,11 @@ class AdapterKind(Protocol):
         learning rate) per group; None: one rate for everything trainable."""
         ...
 
-    def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self) -> tuple[Arrays, dict[str, Any]]:
         """What is sent after training, and the adapter's metrics for the reply."""
         ...
 
-    def received(self, active: list[int] | None) -> Arrays:
+    def received(self) -> Arrays:
         """What the server sent this message, in ``outgoing``'s names (the reference to align onto)."""
         ...
 
@@ -154,6 +159,108 @@ class AdapterKind(Protocol):
     def save_server_copy(arrays: Arrays, cfg: RunConfig, base_model_name: str, out_dir: Path) -> Path:
         """Write the server's final arrays of this kind (a PEFT directory where the kind has one)."""
         ...
+
+
+class AdapterBase(ABC):
+    """The defaults every adapter kind inherits, as peft's ``BaseTuner`` gives its tuners theirs; the kinds subclass
+    it and so implement ``AdapterKind``.
+
+    A kind sets ``name`` and ``section``, attaches itself (``attach``), reads and writes what travels (``arrays``,
+    ``load``), and says how it is switched off and removed (``disabled``, ``detach``); it overrides only what differs
+    from these defaults, which are those of a kind whose whole adapter the server sends every message: no extra
+    sections, client state (so ``keeps_adapter`` is False) or reply metrics; ``settings`` is its section and the
+    run's seed; ``begin`` loads what arrived (which must be something); everything attached trains, at the round's
+    rate; what is sent is the adapter as trained; nothing is kept after a message; the server's copy is the whole
+    adapter (``save`` returns None; ``save_server_copy`` writes the named arrays).
+
+    Attributes:
+        missing: the error when a message brings no adapter (``begin`` with ``received`` None).
+    """
+
+    name: ClassVar[str]
+    section: ClassVar[type[Section]]
+    extra_sections: ClassVar[tuple[type[Section], ...]] = ()
+    state_keys: ClassVar[tuple[str, ...]] = ()
+    keeps_adapter: ClassVar[bool] = False
+    reply_metrics: ClassVar[dict[str, type | None]] = {}
+    missing: ClassVar[str] = "this adapter kind keeps nothing between messages: the server must send it"
+    model: nn.Module
+    initial: Arrays
+
+    def __init__(self, base: nn.Module, cfg: RunConfig) -> None:
+        self.model = self.attach(base, cfg)
+        self.initial = self.arrays()
+        self._received: Arrays = self.initial
+
+    @abstractmethod
+    def attach(self, base: nn.Module, cfg: RunConfig) -> nn.Module:
+        """``base`` with this kind attached with the run's settings (what becomes ``model``)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def arrays(self) -> Arrays:
+        """What travels, as the attached adapter holds it now (``initial`` right after ``attach``)."""
+        raise NotImplementedError
+
+    def load(self, arrays: Arrays) -> None:
+        """Write what the server sent into the attached adapter (a kind whose ``begin`` is its own needs none)."""
+        raise NotImplementedError(f"adapter kind '{self.name}' loads what arrives in its own begin")
+
+    @abstractmethod
+    def disabled(self) -> AbstractContextManager[Any]:
+        """Run the pure base model inside the block (a frozen probe)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def detach(self) -> nn.Module:
+        """Remove the adapter; return the base model as it was before ``attach``."""
+        raise NotImplementedError
+
+    @classmethod
+    def settings(cls, cfg: RunConfig) -> str:
+        """The kind's section and the run's seed."""
+        return f"{cfg.section(cls.section).model_dump_json()} seed={cfg.seed}"
+
+    def begin(self, state: ClientState, received: Arrays | None) -> None:
+        """Load what the server (or the strategy) sent; the kind keeps nothing of its own."""
+        if received is None:  # the shared model holds whichever client ran last: never train from that
+            raise ValueError(self.missing)
+        self.load(received)
+        self._received = received
+
+    def prepare_training(self) -> None:  # noqa: B027 (a default that does nothing, not an abstract method)
+        """Everything attached trains."""
+
+    def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
+        """One rate for everything trainable."""
+        return None
+
+    def regroup(self, groups: list[tuple[list[nn.Parameter], float]]) -> list[tuple[list[nn.Parameter], float]]:
+        """``groups`` with the parameters this kind steps at a rate of its own moved into groups of their own (for
+        a path composed with it: the personal LoRA); default: as they are."""
+        return groups
+
+    def outgoing(self) -> tuple[Arrays, dict[str, Any]]:
+        """The adapter as trained, no metrics."""
+        return self.arrays(), {}
+
+    def received(self) -> Arrays:
+        """What the last ``begin`` loaded (``initial`` before any)."""
+        return self._received
+
+    def end(self, state: ClientState) -> None:  # noqa: B027 (a default that does nothing, not an abstract method)
+        """Nothing client-local to keep."""
+
+    def save(self, out_dir: Path, base_model_name: str) -> Path | None:
+        """The server's copy is the whole adapter (``save_server_copy``)."""
+        return None
+
+    @staticmethod
+    def save_server_copy(arrays: Arrays, cfg: RunConfig, base_model_name: str, out_dir: Path) -> Path:
+        """Named arrays (the client saves whatever more its adapter is)."""
+        from common.records import save_arrays
+
+        return save_arrays(arrays, out_dir)
 
 
 @runtime_checkable

@@ -94,7 +94,7 @@ class AtlasClient(FingerprintClient):
             own = lora_ranks.resize(own, self.own)
         return laplacian_start(own, received, rt.adapter.initial, self.eta, self.neighbour_term)
 
-    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         """The trained slots zero-padded to the wire ranks, with this client's slot masks (and, with a Laplacian
         step, the trained adapter kept as the client's own)."""
         if self.eta:

@@ -37,7 +37,7 @@ class FedSALoraClient(StrategyClient):
         own = rt.state.get(OWN_B)
         return merge(received, own if own is not None else private_part(rt.adapter.initial), rt.adapter.initial)
 
-    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         """Keep the trained B; send the trained A."""
         shared, private = split(arrays)
         rt.state.put(OWN_B, private)

@@ -1,6 +1,6 @@
 """Task fingerprints, shared by ATLAS and MIRA: the client computes them (``client.py``, math in ``gradients.py``),
-the server reads and reduces them per base-model family (``server.py``, ``pca.py``); ``config.py`` is the
-``fingerprint.*`` section."""
+the server reads and reduces them per base-model family (``server.py``, ``pca.py``); ``wire.py`` names what the
+report carries; ``config.py`` is the ``fingerprint.*`` section."""
 
 from .client import FingerprintClient
 from .config import FingerprintSection

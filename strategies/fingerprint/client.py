@@ -19,6 +19,7 @@ from ..client import ClientRuntime, StrategyClient
 from ..sketches import sanitize_signature
 from .config import FingerprintSection
 from .gradients import adapter_gradients, layer_normalised, layer_norms, sketch
+from .wire import FINGERPRINT, FINGERPRINT_BATCHES, LAYER_IMPORTANCE, LAYER_NAMES
 
 if TYPE_CHECKING:
     from common.adapters import ClientState
@@ -53,7 +54,7 @@ class FingerprintClient(StrategyClient):
         cfg = self.cfg.section(FingerprintSection)
         adapter = rt.adapter
         adapter.begin(state, adapter.initial)
-        adapter.prepare_training(None)
+        adapter.prepare_training()
         seed = rt.cfg.seed * 7919 + server_round * 31 + rt.partition_id
         batches = fingerprint_batches(rt.train, cfg.batches, rt.cfg.train.batch_size, seed)
         grads = adapter_gradients(adapter.model, rt.tokenizer, batches, rt.cfg.train.max_seq_len)
@@ -76,8 +77,8 @@ class FingerprintClient(StrategyClient):
             fingerprint.size,
         )
         metrics = {
-            "layer_names": list(norms),
-            "layer_importance": [norms[name] for name in norms],
-            "fingerprint_batches": grads.batches,
+            LAYER_NAMES: list(norms),
+            LAYER_IMPORTANCE: [norms[name] for name in norms],
+            FINGERPRINT_BATCHES: grads.batches,
         }
-        return {"fingerprint": fingerprint}, metrics
+        return {FINGERPRINT: fingerprint}, metrics

@@ -19,6 +19,7 @@ from ..base import MIN_SECURE_GROUP, Arrays, ClientInfo, Strategy
 from ..families import family_key
 from ..sketches import report_vector
 from .pca import LOW_EXPLAINED_VARIANCE, Reduced, reduce_fingerprints
+from .wire import FINGERPRINT, LAYER_IMPORTANCE, LAYER_NAMES
 
 log = get_logger("tessera.server")
 
@@ -39,12 +40,12 @@ class FingerprintReport:
 
 def read_fingerprint(arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
     """A finite 1-D fingerprint within bounds and one finite, non-negative importance per named layer."""
-    fingerprint = report_vector(arrays, "fingerprint", MAX_FINGERPRINT_SIZE, MAX_FINGERPRINT_ABS).astype(np.float64)
-    names = [str(n) for n in metric_list(metrics.get("layer_names"), str)]
+    fingerprint = report_vector(arrays, FINGERPRINT, MAX_FINGERPRINT_SIZE, MAX_FINGERPRINT_ABS).astype(np.float64)
+    names = [str(n) for n in metric_list(metrics.get(LAYER_NAMES), str)]
     try:
-        importance = np.asarray(metric_list(metrics.get("layer_importance")), dtype=np.float64)
+        importance = np.asarray(metric_list(metrics.get(LAYER_IMPORTANCE)), dtype=np.float64)
     except (TypeError, ValueError):
-        raise ValueError(f"layer_importance must be numbers, got {metrics.get('layer_importance')!r}") from None
+        raise ValueError(f"layer_importance must be numbers, got {metrics.get(LAYER_IMPORTANCE)!r}") from None
     if not names or importance.shape != (len(names),):
         raise ValueError(f"layer_importance must give one number for each of the {len(names)} layer_names")
     if not np.all(np.isfinite(importance)) or np.any(importance < 0):

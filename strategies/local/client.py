@@ -28,7 +28,7 @@ class LocalClient(StrategyClient):
             return None
         return rt.state.get(OWN_ADAPTER) or rt.adapter.initial
 
-    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         """Keep the trained adapter; send nothing."""
         if not rt.adapter.state_keys:
             rt.state.put(OWN_ADAPTER, arrays)

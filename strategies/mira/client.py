@@ -41,7 +41,7 @@ class MiraClient(FingerprintClient):
         eta = self.cfg.section(MiraSection).eta
         return laplacian_start(rt.state.get(OWN_ADAPTER), received, rt.adapter.initial, eta, neighbours)
 
-    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         """Keep the trained adapter (the step's W_k); send it for the neighbour terms."""
         rt.state.put(OWN_ADAPTER, arrays)
         return arrays, {}

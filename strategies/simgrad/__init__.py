@@ -1,7 +1,8 @@
 """SimGrad (FedMosaic): relevance-weighted, personalised PQ-LoRA aggregation across heterogeneous clients.
 
 ``relevance.py`` (server math) and ``signatures.py`` (client math) are pure functions; ``server.py`` and
-``client.py`` are its two halves; ``config.py`` its section (``simgrad.*``); ``plots.py`` its figures.
+``client.py`` are its two halves, and ``wire.py`` the keys they send each other; ``config.py`` its section
+(``simgrad.*``); ``plots.py`` its figures.
 """
 
 from ..spec import StrategySpec

@@ -1,9 +1,11 @@
-"""SimGrad's client half: the per-round signature report and the alignment of what is sent.
+"""SimGrad's client half: the per-round signature report, the routing of training, and the alignment of what is
+sent.
 
 The report is a sanitised gradient signature of a shared FROZEN probe model (``signatures.py``) and the
-gradient norm of every PQ-LoRA block (layerwise routing). What is sent after training (the local P/Q of the
-routed blocks) is Procrustes-aligned onto the global P/Q the client received (``common.adapters.pqlora.alignment``).
-The signature EMA is the state SimGrad keeps on a client.
+gradient norm of every PQ-LoRA block (layerwise routing). Each message the client routes its PQ-LoRA adapter to
+the blocks its group's instruction names (``wire.ACTIVE_BLOCKS``): only those train and are sent. What is sent
+after training (the local P/Q of the routed blocks) is Procrustes-aligned onto the global P/Q the client received
+(``common.adapters.pqlora.alignment``). The signature EMA is the state SimGrad keeps on a client.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..base import Arrays
 from ..client import ClientRuntime, StrategyClient
 from .config import SimGradSection
 from .signatures import probe_gradient, sanitize_signature
+from .wire import ALIGN_ERROR_AFTER, ALIGN_ERROR_BEFORE, SALIENCE, SIGNATURE, active_blocks
 
 if TYPE_CHECKING:
     from common.adapters import ClientState
@@ -42,11 +45,13 @@ class SimGradClient(StrategyClient):
 
     state_keys: ClassVar[tuple[str, ...]] = (SIGNATURE_EMA,)
 
+    def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
+        """Route the PQ-LoRA adapter to the blocks this instruction names (every block when it names none)."""
+        _pqlora(rt, "routing needs").set_active_blocks(active_blocks(config))
+
     def report(self, rt: ClientRuntime, state: ClientState, server_round: int) -> tuple[Arrays, dict[str, Any]]:
         cfg = self.cfg.section(SimGradSection)
-        adapter = rt.adapter
-        if not isinstance(adapter, PQLoraAdapter):
-            raise ValueError(f"signature reports need the PQ-LoRA adapter, not {adapter.name}")
+        adapter = _pqlora(rt, "signature reports need")
         rng = random.Random(rt.cfg.seed * 7919 + server_round * 31 + rt.partition_id)
         examples = rng.sample(rt.train, min(cfg.probe_examples, len(rt.train)))
         adapter.begin(state, None)
@@ -80,17 +85,23 @@ class SimGradClient(StrategyClient):
             signature.size,
             [f"{s:.3g}" for s in salience],
         )
-        return {"signature": signature}, {"salience": [float(s) for s in salience]}
+        return {SIGNATURE: signature}, {SALIENCE: [float(s) for s in salience]}
 
-    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         """The local P/Q aligned onto the received global ones (when ``simgrad.alignment``), with the errors."""
         cfg = self.cfg.section(SimGradSection)
         if not cfg.alignment:
             return arrays, {}
         anchors = _anchors(self.cfg.section(PQLoraSection).r, cfg.anchors, self.cfg.seed)
-        aligned, errors = align_arrays(arrays, rt.adapter.received(active), anchors)
+        aligned, errors = align_arrays(arrays, rt.adapter.received(), anchors)
         before = [e[0] for e in errors.values() if math.isfinite(e[0])]
         after = [e[1] for e in errors.values() if math.isfinite(e[1])]
         if not before:  # round 1 has no trained reference yet: nothing to align
             return aligned, {}
-        return aligned, {"align_error_before": float(np.mean(before)), "align_error_after": float(np.mean(after))}
+        return aligned, {ALIGN_ERROR_BEFORE: float(np.mean(before)), ALIGN_ERROR_AFTER: float(np.mean(after))}
+
+
+def _pqlora(rt: ClientRuntime, what_needs: str) -> PQLoraAdapter:
+    if not isinstance(rt.adapter, PQLoraAdapter):
+        raise ValueError(f"{what_needs} the PQ-LoRA adapter, not {rt.adapter.name}")
+    return rt.adapter

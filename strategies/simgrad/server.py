@@ -30,6 +30,7 @@ from ..sketches import report_vector
 from . import plots
 from .config import SimGradSection
 from .relevance import cosine_relevance, relevance_weights, route_blocks
+from .wire import ALIGN_ERROR_AFTER, ALIGN_ERROR_BEFORE, SALIENCE, SIGNATURE, blocks_config
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -67,7 +68,7 @@ class SimGrad(Strategy):
 
     name = "simgrad"
     wants_reports = True
-    reply_metrics = {"align_error_before": None, "align_error_after": None}
+    reply_metrics = {ALIGN_ERROR_BEFORE: None, ALIGN_ERROR_AFTER: None}
 
     def __init__(self, cfg: SimGradSection, secure: bool = False) -> None:
         self.cfg = cfg
@@ -108,14 +109,14 @@ class SimGrad(Strategy):
 
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> ClientReport:
         """A finite, non-zero 1-D signature and one finite, non-negative salience per adapter block."""
-        signature = report_vector(arrays, "signature", MAX_SIGNATURE_SIZE, MAX_SIGNATURE_ABS)
+        signature = report_vector(arrays, SIGNATURE, MAX_SIGNATURE_SIZE, MAX_SIGNATURE_ABS)
         if not np.any(signature):
             raise ValueError("signature is all zeros (cosine relevance undefined)")
         num_blocks = len({block_of(k) for k in self.names})
         try:
-            salience = np.asarray(metrics.get("salience", []), dtype=np.float64)
+            salience = np.asarray(metrics.get(SALIENCE, []), dtype=np.float64)
         except (TypeError, ValueError):
-            raise ValueError(f"salience must be numbers, got {metrics.get('salience')!r}") from None
+            raise ValueError(f"salience must be numbers, got {metrics.get(SALIENCE)!r}") from None
         if salience.shape != (num_blocks,) or not np.all(np.isfinite(salience)) or np.any(salience < 0):
             raise ValueError(f"salience must be {num_blocks} finite non-negative numbers, got {salience.tolist()}")
         return ClientReport(signature.astype(np.float32), salience)
@@ -174,8 +175,7 @@ class SimGrad(Strategy):
             nodes = [self.nodes[i] for i in members if self.nodes[i] in present]
             send_back = [k for k in self.names if block_of(k) in blocks]
             start = {nid: self.global_by_partition[self.partition_of[nid]] for nid in nodes}
-            config = {"active-blocks": ",".join(str(b) for b in blocks)}
-            groups.append(Group(self._group_name(index), start, send_back, config))
+            groups.append(Group(self._group_name(index), start, send_back, blocks_config(blocks)))
         return [g for g in groups if g.start]
 
     def update(self, server_round: int, results: list[GroupResult]) -> None:

@@ -2,10 +2,10 @@
 aggregation and open-world expert management.
 
 ``routing.py`` (responsibilities from probe losses, the top-m experts) and ``pool.py`` (the constant-length payload,
-the experts from its sum, prune / merge / birth) are its math; ``server.py`` and ``client.py`` its two halves;
-``config.py`` its section (``vemoe.*``). The pool of experts is the adapter kind ``experts``
-(``common.adapters.experts``, ``experts.*``); with ``vemoe.personal-lora`` it is ``experts-dual``, the pool beside a
-personal LoRA that never leaves the client.
+the experts from its sum, prune / merge / birth) are its math; ``server.py`` and ``client.py`` its two halves, and
+``wire.py`` the keys they send each other; ``config.py`` its section (``vemoe.*``). The pool of experts is the
+adapter kind ``experts`` (``common.adapters.experts``, ``experts.*``); with ``vemoe.personal-lora`` it is
+``experts-dual``, the pool beside a personal LoRA that never leaves the client.
 """
 
 from ..spec import StrategySpec

@@ -29,9 +29,9 @@ from common.training import answer_tokens, batch_loss
 from ..base import Arrays
 from ..client import ClientRuntime, StrategyClient
 from .config import VemoeSection
-from .pool import RESPONSIBILITY, VOTE, client_payload
+from .pool import client_payload
 from .routing import gain_shares, responsibilities, tied, top_m, unserved
-from .server import BIRTH_SLOT, PRIOR
+from .wire import BIRTH_SLOT, PROBE_METRIC, R_METRIC, RESPONSIBILITY, TOP_METRIC, VOTE, VOTE_METRIC, read_prior
 
 log = get_logger("tessera.client")
 ROUTE = "vemoe.route"  # client state: this client's responsibilities (K_max) and the best probe loss it has seen
@@ -71,8 +71,7 @@ class VEMoEClient(StrategyClient):
 
     def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
         self.birth_slot = int(config.get(BIRTH_SLOT, -1))
-        prior = str(config.get(PRIOR, ""))
-        self.prior = np.array([float(x) for x in prior.split(",")]) if prior else None
+        self.prior = read_prior(config)
 
     def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
         """Probe (in training; in evaluation only without kept responsibilities) and route."""
@@ -119,7 +118,7 @@ class VEMoEClient(StrategyClient):
             losses[slot] = measure(int(slot), lambda model: batch_loss(model, rt.tokenizer, batch, max_len))
         return losses
 
-    def outgoing(self, rt: ClientRuntime, arrays: Arrays, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         """The payload: its top-m experts as trained, weighted by r renormalised over them (what it trained)."""
         slots = split_slots(arrays, self.pool.k_max)
         r = np.zeros(self.pool.k_max)
@@ -133,10 +132,10 @@ class VEMoEClient(StrategyClient):
         # is measured; which experts a client uses and whether it voted are exactly what SecAgg+ hides: said in the
         # clear only, kept in the client's own log in secure mode
         routing = {
-            "vemoe_probe": [round(float(x), 6) if np.isfinite(x) else -1.0 for x in self.losses],
-            "vemoe_r": [round(float(x), 6) for x in self.r],
-            "vemoe_top": list(self.top),
-            "vemoe_vote": int(self.vote),
+            PROBE_METRIC: [round(float(x), 6) if np.isfinite(x) else -1.0 for x in self.losses],
+            R_METRIC: [round(float(x), 6) for x in self.r],
+            TOP_METRIC: list(self.top),
+            VOTE_METRIC: int(self.vote),
         }
         if self.cfg.secure:
             log.info("vemoe routing (kept on this client): %s", routing)

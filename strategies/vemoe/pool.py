@@ -22,8 +22,9 @@ import numpy as np
 from common.adapters.experts.adapter import slot_prefix
 from common.adapters.lora.ranks import layers
 
+from .wire import RESPONSIBILITY, VOTE
+
 Arrays = dict[str, np.ndarray]
-RESPONSIBILITY, VOTE = "responsibility", "birth-vote"
 
 
 def slot_key(slot: int, name: str) -> str:
@@ -190,8 +191,14 @@ def _product(expert: Arrays, a_name: str, b_name: str) -> np.ndarray:
     return np.asarray(expert[b_name], dtype=np.float64) @ np.asarray(expert[a_name], dtype=np.float64)
 
 
-def birth_slot(votes: float, active: np.ndarray, min_votes: int) -> int | None:
-    """The free slot a newborn expert takes (the lowest), when at least ``min_votes`` clients voted; None when too
-    few voted or every slot is taken (the pool never exceeds K_max)."""
+def free_slot(active: np.ndarray) -> int | None:
+    """The slot a newborn expert would take (the lowest free one); None when every slot is taken (the pool never
+    exceeds K_max)."""
     free = np.flatnonzero(~np.asarray(active, dtype=bool))
-    return int(free[0]) if votes >= min_votes and free.size else None
+    return int(free[0]) if free.size else None
+
+
+def birth_slot(votes: float, active: np.ndarray, min_votes: int) -> int | None:
+    """The free slot a newborn expert takes (``free_slot``), when at least ``min_votes`` clients voted; None when too
+    few voted or every slot is taken."""
+    return free_slot(active) if votes >= min_votes else None

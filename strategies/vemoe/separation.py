@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from sklearn.metrics.cluster import contingency_matrix
 
+from .wire import R_METRIC
+
 
 def purity(experts: list[int], labels: list[str]) -> float:
     """Share of items whose cluster's majority label is their own."""
@@ -26,13 +28,13 @@ def separation(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per trained round: {round, purity, top1: {partition: expert}, tasks: {partition: task set}} for the
     clients whose row carries both their responsibilities and their task set."""
     out = []
-    for rnd in sorted({r["round"] for r in rows if r.get("node") is not None and r.get("vemoe_r")}):
+    for rnd in sorted({r["round"] for r in rows if r.get("node") is not None and r.get(R_METRIC)}):
         clients = [
-            r for r in rows if r["round"] == rnd and r.get("node") is not None and r.get("vemoe_r") and r.get("tasks")
+            r for r in rows if r["round"] == rnd and r.get("node") is not None and r.get(R_METRIC) and r.get("tasks")
         ]
         if not clients:
             continue
-        top1 = {int(r["partition_id"]): int(np.argmax(r["vemoe_r"])) for r in clients}
+        top1 = {int(r["partition_id"]): int(np.argmax(r[R_METRIC])) for r in clients}
         tasks = {int(r["partition_id"]): str(r["tasks"]) for r in clients}
         order = sorted(top1)
         out.append(

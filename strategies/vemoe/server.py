@@ -33,25 +33,23 @@ from common.plots import negative_transfer, worst_client
 from ..base import WEIGHT_EQUALLY, Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
 from . import plots
 from .config import VemoeSection
-from .pool import (
-    RESPONSIBILITY,
-    VOTE,
-    birth_slot,
-    experts_from_sum,
-    merge,
-    merge_pairs,
-    newborn,
-    prune,
-    sum_problem,
-)
+from .pool import experts_from_sum, free_slot, merge, merge_pairs, newborn, prune, sum_problem
 from .separation import separation
+from .wire import (
+    BIRTH_SLOT,
+    PROBE_METRIC,
+    R_METRIC,
+    RESPONSIBILITY,
+    TOP_METRIC,
+    VOTE,
+    VOTE_METRIC,
+    prior_config,
+)
 
 if TYPE_CHECKING:
     from common.config import RunConfig
 
 log = get_logger("tessera.server")
-BIRTH_SLOT = "vemoe-birth-slot"  # train-instruction config key: the free slot a voter puts its candidate in
-PRIOR = "vemoe-prior"  # train-instruction config key (vemoe.likelihood = "summed"): each slot's prior, comma-joined
 ACTIVE, LOW_ROUNDS = "active", "low-rounds"  # state keys beside the pool's experts
 
 
@@ -63,7 +61,7 @@ class VEMoE(Strategy):
 
     name = "vemoe"
     # plain mode only: each slot's probe loss (-1: free) and responsibility, the routed slots, the birth vote
-    reply_metrics = {"vemoe_probe": float, "vemoe_r": float, "vemoe_top": int, "vemoe_vote": None}
+    reply_metrics = {PROBE_METRIC: float, R_METRIC: float, TOP_METRIC: int, VOTE_METRIC: None}
 
     def __init__(self, pool: ExpertsSection, cfg: VemoeSection) -> None:
         self.pool_cfg, self.cfg = pool, cfg
@@ -101,7 +99,7 @@ class VEMoE(Strategy):
 
     def _free_slot(self) -> int:
         """The slot a birth would take this round (the lowest free one), -1 when the pool is full."""
-        slot = birth_slot(self.cfg.birth_min_votes, self.active, self.cfg.birth_min_votes)
+        slot = free_slot(self.active)
         return -1 if slot is None else slot
 
     def _prior(self) -> dict[str, str]:
@@ -110,7 +108,7 @@ class VEMoE(Strategy):
         if self.cfg.likelihood != "summed":
             return {}
         counts = np.where(self.active, self.totals + 1.0, 0.0)
-        return {PRIOR: ",".join(f"{x:.6g}" for x in counts / counts.sum())}
+        return prior_config(counts / counts.sum())
 
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
         start = self._start()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from ..base import Arrays, ClientState
+from ..base import AdapterBase, Arrays, ClientState
 from ..lora.config import LoraSection
 from ..lora.model import save_peft_adapter
 from .config import ExpertsSection
@@ -59,36 +59,34 @@ def join_slots(experts: list[Arrays]) -> Arrays:
     return {f"{slot_prefix(s)}{name}": array for s, expert in enumerate(experts) for name, array in expert.items()}
 
 
-class ExpertsAdapter:
+class ExpertsAdapter(AdapterBase):
     """A pool of ``experts.k-max`` LoRA experts with per-layer routers (``common.adapters.experts``)."""
 
     name: ClassVar[str] = "experts"
     section: ClassVar[type[Section]] = ExpertsSection
-    extra_sections: ClassVar[tuple[type[Section], ...]] = ()
-    reply_metrics: ClassVar[dict[str, type | None]] = {}
     state_keys: ClassVar[tuple[str, ...]] = (ROUTERS,)
+    missing: ClassVar[str] = "the expert pool keeps no experts between messages: the server must send them"
 
-    def __init__(self, base: nn.Module, cfg: RunConfig) -> None:
+    def attach(self, base: nn.Module, cfg: RunConfig) -> nn.Module:
         self.pool = cfg.section(ExpertsSection)
-        self.model = attach_experts(base, self.pool, seed=cfg.seed)
-        self.initial = join_slots([get_expert(self.model, s) for s in range(self.pool.k_max)])
-        self._initial_routers = get_routers(self.model)
-        self._received: Arrays = self.initial
+        model = attach_experts(base, self.pool, seed=cfg.seed)
+        self._initial_routers = get_routers(model)
+        return model
 
-    @classmethod
-    def settings(cls, cfg: RunConfig) -> str:
-        return f"{cfg.section(ExpertsSection).model_dump_json()} seed={cfg.seed}"
+    def arrays(self) -> Arrays:
+        """Every slot as it is now (after training the routed ones trained; the strategy weights them)."""
+        return join_slots([get_expert(self.model, s) for s in range(self.pool.k_max)])
+
+    def load(self, arrays: Arrays) -> None:
+        for slot, expert in enumerate(split_slots(arrays, self.pool.k_max)):
+            set_expert(self.model, slot, expert)
 
     def begin(self, state: ClientState, received: Arrays | None) -> None:
         """Every slot from what the server sent; this client's routers from its state (zero at first: tokens get
         the domain mixture r until the router learns)."""
-        if received is None:
-            raise ValueError("the expert pool keeps no experts between messages: the server must send them")
-        for slot, expert in enumerate(split_slots(received, self.pool.k_max)):
-            set_expert(self.model, slot, expert)
+        super().begin(state, received)
         set_routers(self.model, state.get(ROUTERS) or self._initial_routers)
         routing_of(self.model).route([], [])
-        self._received = received
 
     def route(self, slots: list[int], r: list[float]) -> None:
         """Route tokens between ``slots`` with responsibilities ``r`` for this message (training and evaluation)."""
@@ -124,19 +122,9 @@ class ExpertsAdapter:
             for param, flag in zip(params, wanted):
                 param.requires_grad_(flag)
 
-    def prepare_training(self, active: list[int] | None) -> None:
+    def prepare_training(self) -> None:
         """The experts and routers train (only the routed slots get gradients); the base stays frozen."""
         trainable(self.model)
-
-    def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
-        return None
-
-    def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
-        """Every slot as it is now (the routed ones trained); the strategy weights them by responsibility."""
-        return join_slots([get_expert(self.model, s) for s in range(self.pool.k_max)]), {}
-
-    def received(self, active: list[int] | None) -> Arrays:
-        return self._received
 
     def end(self, state: ClientState) -> None:
         state.put(ROUTERS, get_routers(self.model))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from ..base import Arrays, ClientState
+from ..base import AdapterBase, Arrays
 from .config import LoraSection
 from .model import attach_lora, detach_lora, get_adapter_arrays, save_peft_adapter, set_adapter_arrays
 from .ranks import ranks
@@ -18,54 +18,27 @@ if TYPE_CHECKING:
     from common.config import RunConfig, Section
 
 
-class LoraAdapter:
+class LoraAdapter(AdapterBase):
     """peft LoRA (FedAvg's adapter). Its arrays use peft's state-dict names, so the server saves PEFT directories."""
 
     name: ClassVar[str] = "lora"
     section: ClassVar[type[Section]] = LoraSection
-    extra_sections: ClassVar[tuple[type[Section], ...]] = ()
-    reply_metrics: ClassVar[dict[str, type | None]] = {}
-    state_keys: ClassVar[tuple[str, ...]] = ()
+    missing: ClassVar[str] = "LoRA keeps nothing between messages: the server (or the strategy) must give the adapter"
 
-    def __init__(self, base: nn.Module, cfg: RunConfig) -> None:
-        self.model = attach_lora(base, cfg.section(LoraSection), seed=cfg.seed)
-        self.initial = get_adapter_arrays(self.model)
-        self._received: Arrays = self.initial
+    def attach(self, base: nn.Module, cfg: RunConfig) -> nn.Module:
+        return attach_lora(base, cfg.section(LoraSection), seed=cfg.seed)
 
-    @classmethod
-    def settings(cls, cfg: RunConfig) -> str:
-        return f"{cfg.section(LoraSection).model_dump_json()} seed={cfg.seed}"
+    def arrays(self) -> Arrays:
+        return get_adapter_arrays(self.model)
 
-    def begin(self, state: ClientState, received: Arrays | None) -> None:
-        if received is None:  # the shared model holds whichever client ran last: never train from that
-            raise ValueError("LoRA keeps nothing between messages: the server (or the strategy) must give the adapter")
-        set_adapter_arrays(self.model, received)
-        self._received = received
-
-    def prepare_training(self, active: list[int] | None) -> None:
-        """LoRA has no routing: every weight trains."""
-
-    def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
-        return None
-
-    def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
-        return get_adapter_arrays(self.model), {}
-
-    def received(self, active: list[int] | None) -> Arrays:
-        return self._received
-
-    def end(self, state: ClientState) -> None:
-        """Nothing client-local to keep."""
+    def load(self, arrays: Arrays) -> None:
+        set_adapter_arrays(self.model, arrays)
 
     def disabled(self) -> AbstractContextManager[Any]:
-        return self.model.disable_adapter()
+        return cast(Any, self.model).disable_adapter()  # a PeftModel
 
     def detach(self) -> nn.Module:
         return detach_lora(self.model)
-
-    def save(self, out_dir: Path, base_model_name: str) -> Path | None:
-        """The server's copy is the whole adapter (``save_server_copy``)."""
-        return None
 
     @staticmethod
     def save_server_copy(arrays: Arrays, cfg: RunConfig, base_model_name: str, out_dir: Path) -> Path:

@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..base import Arrays, ClientState
+from ..base import AdapterBase, Arrays, ClientState
 from .config import PQLoraSection
 from .model import (
     adapters_disabled,
@@ -40,21 +40,31 @@ if TYPE_CHECKING:
 LOCAL_STATE, GLOBAL_STATE = "pqlora.local", "pqlora.global"
 
 
-class PQLoraAdapter:
-    """PQ-LoRA with client-local state (see the module docstring)."""
+class PQLoraAdapter(AdapterBase):
+    """PQ-LoRA with client-local state (see the module docstring).
+
+    Attributes:
+        active_blocks: the blocks this message trains and sends and whose received global part ``received`` gives
+            (layerwise routing, ``set_active_blocks``); None: every block. Every ``begin`` resets it to None.
+    """
 
     name: ClassVar[str] = "pqlora"
     section: ClassVar[type[Section]] = PQLoraSection
-    extra_sections: ClassVar[tuple[type[Section], ...]] = ()
     reply_metrics: ClassVar[dict[str, type | None]] = {"beta": float, "active_blocks": int}
     state_keys: ClassVar[tuple[str, ...]] = (LOCAL_STATE, GLOBAL_STATE)
+    keeps_adapter: ClassVar[bool] = True
     trains_global: ClassVar[bool] = False  # PQLoraConfig.trains_global of what it attaches
 
-    def __init__(self, base: nn.Module, cfg: RunConfig) -> None:
+    def attach(self, base: nn.Module, cfg: RunConfig) -> nn.Module:
         self.pq_config = cfg.section(PQLoraSection).adapter_config(cfg.seed, self.trains_global)
         self.gate_lr_scale = cfg.section(PQLoraSection).gate_lr_scale
-        self.model = attach_pqlora(base, self.pq_config)
-        self.initial = get_pq_arrays(self.model, "local")  # zeros: the global part every client starts from
+        self.active_blocks: list[int] | None = None
+        return attach_pqlora(base, self.pq_config)
+
+    def arrays(self) -> Arrays:
+        """The local P/Q of the active blocks (``initial``: every block's, zeros: the global part every client
+        starts from)."""
+        return get_pq_arrays(self.model, "local", blocks=self.active_blocks)
 
     @classmethod
     def settings(cls, cfg: RunConfig) -> str:
@@ -62,7 +72,8 @@ class PQLoraAdapter:
 
     def begin(self, state: ClientState, received: Arrays | None) -> None:
         """Swap this client's state into the shared model; ``received`` (P_G/Q_G from the server) wins over the
-        kept one."""
+        kept one. Every block is active until ``set_active_blocks`` says otherwise."""
+        self.active_blocks = None
         local = state.get(LOCAL_STATE)
         if local is not None:
             set_local_state(self.model, local)
@@ -72,15 +83,20 @@ class PQLoraAdapter:
             received = state.get(GLOBAL_STATE)
         set_pq_arrays(self.model, received if received is not None else self.initial, part="global")  # initial: zeros
 
-    def prepare_training(self, active: list[int] | None) -> None:
-        set_trainable_blocks(self.model, active)
+    def set_active_blocks(self, blocks: list[int] | None) -> None:
+        """Train, send and align onto only ``blocks`` in this message (None: every block): a routing strategy's
+        choice (SimGrad's ``route-budget``), set after ``begin``."""
+        self.active_blocks = blocks
+
+    def prepare_training(self) -> None:
+        set_trainable_blocks(self.model, self.active_blocks)
 
     def lr_groups(self) -> list[tuple[list[nn.Parameter], float]] | None:
         if self.gate_lr_scale == 1.0:
             return None
-        return self.with_gate_group([([p for p in self.model.parameters() if p.requires_grad], 1.0)])
+        return self.regroup([([p for p in self.model.parameters() if p.requires_grad], 1.0)])
 
-    def with_gate_group(self, groups: list[tuple[list[nn.Parameter], float]]) -> list[tuple[list[nn.Parameter], float]]:
+    def regroup(self, groups: list[tuple[list[nn.Parameter], float]]) -> list[tuple[list[nn.Parameter], float]]:
         """``groups`` with the trainable gate logits moved into a group of their own at ``pqlora.gate-learning-rate``
         (unchanged when that is the P/Q rate)."""
         if self.gate_lr_scale == 1.0:
@@ -89,16 +105,17 @@ class PQLoraAdapter:
         moved = {id(p) for p in gates}
         return [([p for p in ps if id(p) not in moved], scale) for ps, scale in groups] + [(gates, self.gate_lr_scale)]
 
-    def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self) -> tuple[Arrays, dict[str, Any]]:
         """The local P/Q of the active blocks, with the gates and the blocks as metrics."""
         metrics = {
             "beta": [float(b) for b in get_gates(self.model)],
-            "active_blocks": list(active or range(self.pq_config.num_blocks)),
+            "active_blocks": list(self.active_blocks or range(self.pq_config.num_blocks)),
         }
-        return get_pq_arrays(self.model, "local", blocks=active), metrics
+        return self.arrays(), metrics
 
-    def received(self, active: list[int] | None) -> Arrays:
-        return get_pq_arrays(self.model, "global", blocks=active)
+    def received(self) -> Arrays:
+        """The global P/Q of the active blocks (what the server sent, or the client kept)."""
+        return get_pq_arrays(self.model, "global", blocks=self.active_blocks)
 
     def end(self, state: ClientState) -> None:
         state.put(LOCAL_STATE, get_local_state(self.model))
@@ -120,12 +137,6 @@ class PQLoraAdapter:
         return norms
 
     def save(self, out_dir: Path, base_model_name: str) -> Path | None:
-        """The client's full adapter (its local parts never leave it)."""
+        """The client's full adapter (its local parts never leave it; the server holds a client's global P/Q only,
+        as named arrays: the default ``save_server_copy``)."""
         return save_pq_adapter(self.model, self.pq_config, out_dir, base_model_name)
-
-    @staticmethod
-    def save_server_copy(arrays: Arrays, cfg: RunConfig, base_model_name: str, out_dir: Path) -> Path:
-        """The server holds a client's global P/Q only: named arrays (the client saves its full adapter)."""
-        from common.records import save_arrays
-
-        return save_arrays(arrays, out_dir)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
-from ..base import Arrays, ClientState
+from ..base import AdapterBase, Arrays
 from . import bound
 from .config import SubLoraSection
 from .model import (
@@ -37,32 +37,29 @@ if TYPE_CHECKING:
     from common.data import Example
 
 
-class SubLoraAdapter:
+class SubLoraAdapter(AdapterBase):
     """SubLoRA (``common.adapters.sublora``): LoRA trained through ``sublora.intrinsic-dim`` numbers."""
 
     name: ClassVar[str] = "sublora"
     section: ClassVar[type[Section]] = SubLoraSection
-    extra_sections: ClassVar[tuple[type[Section], ...]] = ()
-    reply_metrics: ClassVar[dict[str, type | None]] = {}
-    state_keys: ClassVar[tuple[str, ...]] = ()
+    missing: ClassVar[str] = "SubLoRA keeps nothing between messages: the server (or the strategy) must give alpha"
 
-    def __init__(self, base: nn.Module, cfg: RunConfig) -> None:
+    def attach(self, base: nn.Module, cfg: RunConfig) -> nn.Module:
         self.sub = cfg.section(SubLoraSection)
-        self.model = attach_sublora(base, self.sub)
-        self.initial = get_arrays(self.model)  # zeros: theta_0, the base model's function
-        self._received: Arrays = self.initial
+        return attach_sublora(base, self.sub)
+
+    def arrays(self) -> Arrays:
+        """alpha (and the gates); ``initial``: zeros, theta_0, the base model's function."""
+        return get_arrays(self.model)
+
+    def load(self, arrays: Arrays) -> None:
+        set_arrays(self.model, arrays)
 
     @classmethod
     def settings(cls, cfg: RunConfig) -> str:
         return cfg.section(SubLoraSection).model_dump_json()
 
-    def begin(self, state: ClientState, received: Arrays | None) -> None:
-        if received is None:  # the shared model holds whichever client ran last: never train from that
-            raise ValueError("SubLoRA keeps nothing between messages: the server (or the strategy) must give alpha")
-        set_arrays(self.model, received)
-        self._received = received
-
-    def prepare_training(self, active: list[int] | None) -> None:
+    def prepare_training(self) -> None:
         """alpha (and the gates) train; nothing else does."""
         trainable(self.model)
 
@@ -72,15 +69,6 @@ class SubLoraAdapter:
         if subspace.gates is None or self.sub.gate_lr_scale == 1.0:
             return None
         return [([subspace.alpha], 1.0), ([subspace.gates], self.sub.gate_lr_scale)]
-
-    def outgoing(self, active: list[int] | None) -> tuple[Arrays, dict[str, Any]]:
-        return get_arrays(self.model), {}
-
-    def received(self, active: list[int] | None) -> Arrays:
-        return self._received
-
-    def end(self, state: ClientState) -> None:
-        """Nothing client-local to keep."""
 
     def disabled(self) -> AbstractContextManager[Any]:
         return sublora_disabled(self.model)
@@ -96,9 +84,7 @@ class SubLoraAdapter:
     def save_server_copy(arrays: Arrays, cfg: RunConfig, base_model_name: str, out_dir: Path) -> Path:
         """The server has no base model to materialise with: alpha (and the gates) and the settings that rebuild
         P; every client exports the PEFT directory (``save``)."""
-        from common.records import save_arrays
-
-        out = save_arrays(arrays, out_dir)
+        out = AdapterBase.save_server_copy(arrays, cfg, base_model_name, out_dir)
         (out / "sublora.json").write_text(cfg.section(SubLoraSection).model_dump_json(by_alias=True, indent=1))
         return out
 

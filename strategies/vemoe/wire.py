@@ -1,0 +1,30 @@
+"""VEMoE's wire keys: the names of what its two halves send each other, read by both ``server.py`` and
+``client.py`` (and ``pool.py``, which builds and reads the payload), and how the counted prior is written in a
+train instruction. The experts themselves travel under the expert-pool adapter's names (``expert-<slot>.*``,
+``common.adapters.experts.adapter``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+# payload arrays, both ways: each slot's responsibility (server -> client: 1 for an active slot, 0 for a free one)
+# and the birth vote (client -> server: 0 or 1; zero from the server)
+RESPONSIBILITY, VOTE = "responsibility", "birth-vote"
+BIRTH_SLOT = "vemoe-birth-slot"  # train-instruction config: the free slot a voter puts its candidate in (-1: none)
+PRIOR = "vemoe-prior"  # train-instruction config (vemoe.likelihood = "summed"): each slot's prior, comma-joined
+# train-reply metrics (plain mode only): each slot's probe loss (-1: free), r, the routed slots, the birth vote
+PROBE_METRIC, R_METRIC, TOP_METRIC, VOTE_METRIC = "vemoe_probe", "vemoe_r", "vemoe_top", "vemoe_vote"
+
+
+def prior_config(prior: np.ndarray) -> dict[str, str]:
+    """A train instruction's config carrying ``prior`` (one share per slot)."""
+    return {PRIOR: ",".join(f"{x:.6g}" for x in prior)}
+
+
+def read_prior(config: Mapping[str, Any]) -> np.ndarray | None:
+    """The prior a train instruction carries (None: none, the plain softmax)."""
+    prior = str(config.get(PRIOR, ""))
+    return np.array([float(x) for x in prior.split(",")]) if prior else None
