@@ -14,7 +14,7 @@ import numpy as np
 
 from ..aggregation import mix_group_means
 from ..base import Arrays
-from ..fingerprint.laplacian import alpha_for, median_alpha, normalised_adjacency, rbf_adjacency
+from ..fingerprint.laplacian import normalised_adjacency, rbf_adjacency
 
 Unit = tuple[str, list[int]]  # (name, partitions) of a group or of what trains as one
 
@@ -56,11 +56,10 @@ class Neighbourhood:
         }
 
 
-def neighbourhood(points: np.ndarray, alpha: float | str, clusters: Sequence[int]) -> Neighbourhood:
-    """The adjacency over these (reduced) fingerprints with the bandwidth ``alpha`` (a number, or "median": the
-    median heuristic), a_kl = 0 across ``clusters``."""
-    bandwidth = alpha_for(alpha, median_alpha(points))
-    return Neighbourhood(bandwidth, rbf_adjacency(points, bandwidth), normalised_adjacency(points, bandwidth, clusters))
+def neighbourhood(points: np.ndarray, alpha: float, clusters: Sequence[int]) -> Neighbourhood:
+    """The adjacency over these (reduced) fingerprints with the RBF bandwidth ``alpha``, a_kl = 0 across
+    ``clusters`` once normalised."""
+    return Neighbourhood(alpha, rbf_adjacency(points, alpha), normalised_adjacency(points, alpha, clusters))
 
 
 def neighbour_terms(

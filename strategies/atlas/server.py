@@ -40,6 +40,7 @@ from common.logs import get_logger
 from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, partition_state, read_partition_state
 from ..families import family_key
 from ..fingerprint import FingerprintReport, FingerprintSection, FingerprintStrategy
+from ..fingerprint.laplacian import median_alpha
 from ..fingerprint.plots import adjacency as adjacency_plots
 from . import plots
 from .clustering import LOW_PURITY, Grouping, clustering_row, group_clients, purity
@@ -127,9 +128,9 @@ class Atlas(FingerprintStrategy):
             _log_grouping(server_round, family, members, grouping, (cluster_purity, group_purity), self.cfg)
             self._allocate(server_round, family, labels)
             if self.eta:
-                self.neighbourhoods[family] = neighbourhood(
-                    self._points(family), self.cfg.laplacian_alpha, labels.tolist()
-                )
+                points = self._points(family)
+                alpha = self.cfg.alpha_for(median_alpha(points))
+                self.neighbourhoods[family] = neighbourhood(points, alpha, labels.tolist())
             if cluster_purity < LOW_PURITY:
                 log.warning(
                     "round %d: low cluster-task purity %.2f (< %.1f) in %s",
