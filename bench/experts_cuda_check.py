@@ -1,5 +1,5 @@
 """VEMoE's expert pool on the CUDA 4-bit path: correctness and speed on a GPU, with random-weight models of real
-shapes (GPU machines here have no model hub; see ``pqlora_cuda_check.py``, whose shapes and helpers this reuses).
+shapes (GPU machines here have no model hub; the shapes and helpers are ``cuda_common.py``'s).
 
     python bench/experts_cuda_check.py            # needs CUDA and bitsandbytes
 
@@ -19,22 +19,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.pqlora_cuda_check import (  # noqa: E402
-    lora_reference,
-    random_batch,
-    random_checkpoint,
-    run_checks,
-    step_seconds,
-)
+from bench.cuda_common import checkpoint_and_batch, lora_reference, model_row, run_checks, step_seconds  # noqa: E402
 from common.adapters.experts import ExpertLinear, ExpertsSection, attach_experts, routed, trainable  # noqa: E402
 from common.model import load_base_model  # noqa: E402
 
 
-def check(name: str, kind: str, shape: dict, work: Path) -> dict:
-    import bitsandbytes as bnb
+def base_output(path: Path, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits of a fresh NF4 load of ``path`` on ``batch``, the model freed again."""
+    base = load_base_model(str(path), "nf4", "cuda")
+    with torch.no_grad():
+        logits = base(**batch).logits
+    del base
+    torch.cuda.empty_cache()
+    return logits
 
-    path = random_checkpoint(kind, shape, work / name)
-    batch = random_batch(shape)
+
+def check(name: str, kind: str, shape: dict, work: Path) -> dict:
+    path, batch = checkpoint_and_batch(name, kind, shape, work)
 
     model = attach_experts(load_base_model(str(path), "nf4", "cuda"), ExpertsSection(k_max=4, r=4, top_m=2), seed=0)
     layers = [m for m in model.modules() if isinstance(m, ExpertLinear)]
@@ -52,17 +53,9 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
         trained = model(**batch).logits
     del model
     torch.cuda.empty_cache()
-    base = load_base_model(str(path), "nf4", "cuda")
-    with torch.no_grad():
-        base_logits = base(**batch).logits
-    del base
-    torch.cuda.empty_cache()
+    base_logits = base_output(path, batch)
     reference = lora_reference(path, batch)
-    return {
-        "model": name,
-        "gpu": torch.cuda.get_device_name(),
-        "adapted_layers": len(layers),
-        "all_linear4bit_underneath": all(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in layers),
+    fields = {
         "unrouted_equals_base": bool(torch.equal(unrouted, base_logits)),
         "fresh_experts_equal_base": bool(torch.equal(fresh, base_logits)),
         "trained_differs_from_base": not bool(torch.equal(trained, base_logits)),
@@ -71,14 +64,9 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
         "last_layer_grad_norm_per_slot": grads,
         "only_routed_slots_have_gradients": grads[1] == 0 and grads[3] == 0 and grads[0] > 0 and grads[2] > 0,
         "experts_step_ms_8x256": 1000 * expert_step,
-        **reference,
-        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
     }
-
-
-def main() -> None:
-    run_checks(check)
+    return model_row(name, "adapted_layers", layers, fields, reference)
 
 
 if __name__ == "__main__":
-    main()
+    run_checks(check)

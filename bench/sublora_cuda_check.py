@@ -1,5 +1,5 @@
 """SubLoRA on the CUDA 4-bit path: correctness and speed on a GPU, with random-weight models of real shapes (GPU
-machines here have no model hub; see ``pqlora_cuda_check.py``, whose shapes and helpers this reuses).
+machines here have no model hub; the shapes and helpers are ``cuda_common.py``'s).
 
     python bench/sublora_cuda_check.py            # needs CUDA and bitsandbytes
 
@@ -20,13 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.pqlora_cuda_check import (  # noqa: E402
-    lora_reference,
-    random_batch,
-    random_checkpoint,
-    run_checks,
-    step_seconds,
-)
+from bench.cuda_common import checkpoint_and_batch, lora_reference, model_row, run_checks, step_seconds  # noqa: E402
 from common.adapters.sublora import SubLoraSection, SubspaceLoraLinear, attach_sublora  # noqa: E402
 from common.adapters.sublora.model import save_materialised, subspace_of, trainable  # noqa: E402
 from common.model import load_base_model  # noqa: E402
@@ -37,11 +31,9 @@ def has_gradient(grad: torch.Tensor | None) -> bool:
 
 
 def check(name: str, kind: str, shape: dict, work: Path) -> dict:
-    import bitsandbytes as bnb
     from peft import PeftModel
 
-    path = random_checkpoint(kind, shape, work / name)
-    batch = random_batch(shape)
+    path, batch = checkpoint_and_batch(name, kind, shape, work)
     section = SubLoraSection(intrinsic_dim=1000, allocation="learned")
 
     base = load_base_model(str(path), "nf4", "cuda")
@@ -69,11 +61,7 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
     del peft_model
     torch.cuda.empty_cache()
     reference = lora_reference(path, batch)
-    return {
-        "model": name,
-        "gpu": torch.cuda.get_device_name(),
-        "wrapped_layers": len(layers),
-        "all_linear4bit_underneath": all(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in layers),
+    fields = {
         "alpha_zero_equals_base": bool(torch.equal(at_zero, base_logits)),
         "trained_differs_from_base": not bool(torch.equal(trained, base_logits)),
         "sublora_loss_first_last": [losses[0], losses[-1]],
@@ -81,14 +69,9 @@ def check(name: str, kind: str, shape: dict, work: Path) -> dict:
         "alpha_and_gates_have_gradients": has_gradient(alpha_grad) and has_gradient(gates_grad),
         "exported_peft_max_logit_difference": float((reloaded.float() - trained.float()).abs().max()),
         "sublora_step_ms_8x256": 1000 * sublora_step,
-        **reference,
-        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
     }
-
-
-def main() -> None:
-    run_checks(check)
+    return model_row(name, "wrapped_layers", layers, fields, reference)
 
 
 if __name__ == "__main__":
-    main()
+    run_checks(check)

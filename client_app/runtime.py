@@ -23,6 +23,7 @@ from common.config import RunConfig
 from common.data import ClientData, DataError, Example, load_client_data
 from common.logs import get_logger
 from common.model import load_base_model, load_tokenizer
+from common.records import IDENTITY_KEYS
 from common.training import token_counts
 from strategies import StrategyClient, load_run_config, strategy_spec
 
@@ -38,10 +39,23 @@ model_load_seconds = 0.0
 _startup = {"spawn": 0.0, "began": 0.0, "ready": 0.0}
 # partition -> digest of the client state this process read back from the node's disk (state_store), if it did
 _restored: dict[int, str] = {}
+# The run config this message validated, beside the Flower run config it came from (``run_config``).
+_validated: dict[str, Any] = {}
 
 
 def begin_message(spawn_seconds: float) -> None:
     _startup.update(spawn=spawn_seconds, began=time.perf_counter(), ready=0.0)
+    _validated.clear()  # each message validates its run config afresh (a plug-in may have registered since)
+
+
+def run_config(context: Context) -> RunConfig:
+    """The run config of ``context``, validated once per message: the state keys (``declared_state_keys``) and the
+    runtime (``get_runtime``) read the same validated object; another run config is validated anew."""
+    flat = dict(context.run_config)
+    if _validated.get("flat") != flat:
+        cfg = load_run_config(flat)
+        _validated.update(flat=flat, cfg=cfg)
+    return _validated["cfg"]
 
 
 def note_restored(context: Context, digest: str) -> None:
@@ -144,20 +158,20 @@ class ClientRuntime:
         """Who answered: reported beside every metric."""
         import resource
 
-        return {
-            "partition-id": self.partition_id,
-            "tasks": self.data.tasks,
-            **self.data.counts,
-            "model": self.model_name,
-            "pid": os.getpid(),
-            "model-loads": model_loads,
-            "model-load-seconds": model_load_seconds,
-            "peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "startup-seconds": _startup["spawn"] + _startup["ready"],
-            "ray-node": _ray_node(),
-            "state-restored": _restored.get(self.partition_id, ""),
-            "state-bytes": self.state.nbytes(),
-        }
+        values = (
+            self.partition_id,
+            self.data.tasks,
+            self.model_name,
+            os.getpid(),
+            model_loads,
+            model_load_seconds,
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            _startup["spawn"] + _startup["ready"],
+            _ray_node(),
+            _restored.get(self.partition_id, ""),
+            self.state.nbytes(),
+        )
+        return {**dict(zip(IDENTITY_KEYS, values, strict=True)), **self.data.counts}
 
 
 def _ray_node() -> str:
@@ -169,7 +183,7 @@ def _ray_node() -> str:
 
 
 def get_runtime(context: Context) -> ClientRuntime:
-    cfg = load_run_config(dict(context.run_config))
+    cfg = run_config(context)
     spec = strategy_spec(cfg.strategy)
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
@@ -212,7 +226,7 @@ def client_data_for(
 
 def declared_state_keys(context: Context) -> tuple[str, ...]:
     """The client-state keys the run's adapter kind and strategy keep (what a node's model worker carries back)."""
-    cfg = load_run_config(dict(context.run_config))
+    cfg = run_config(context)
     return strategy_spec(cfg.strategy).state_keys(cfg)
 
 

@@ -199,6 +199,21 @@ def query_instruction(kind: str, config: dict[str, Any] | None = None) -> Record
     return RecordDict({CONFIG: ConfigRecord({"query": kind, **(config or {})})})
 
 
+# A client's identity, sent beside every metric of its replies (``client_app.runtime`` builds it, its data counts
+# after these); the server's evaluation rows carry each of them (dashes as underscores).
+IDENTITY_KEYS = (
+    "partition-id",
+    "tasks",
+    "model",
+    "pid",
+    "model-loads",
+    "model-load-seconds",
+    "peak-rss-mb",
+    "startup-seconds",
+    "ray-node",
+    "state-restored",
+    "state-bytes",
+)
 SEND_ADAPTER = "send-adapter"  # initial query: False asks for the adapter's digest only (what admission compares)
 ADAPTER_DIGEST = "adapter-digest"  # identity key: the digest of the client's initial adapter
 

@@ -118,7 +118,7 @@ def check_eval_metrics(metrics: Mapping[str, Any], max_examples: int | None = No
 
 @dataclass(frozen=True)
 class ReplyLimits:
-    """What a round's train replies are held to (from the run config; see ``server_app.app``).
+    """What a round's train replies are held to (from the run config; see ``server_app.training.reply_limits``).
 
     examples_per_round: local steps x batch x accumulation, the most examples a member can weigh by.
     max_update_norm: an update further than this (L2) from what the member was sent is refused.

@@ -5,36 +5,63 @@ strategy names its groups; every group's mean arrives through the plain or the S
 folds the means in; every node evaluates the adapter it will use; one metrics row per node plus an aggregate row
 go to ``metrics.jsonl``; the server state is checkpointed. Round 0 is the evaluation before any
 training. With ``resume=true`` a restarted run continues after its last completed round.
+
+``run_federation`` is those steps by name: ``start_federation`` (config, run directory, nodes, admission), then
+``resume_federation`` or ``round_zero``, ``run_round`` for every round and ``finish_federation``; what a run
+carries between them is one ``Federation``. A round's training itself (the transports, reply limits and train
+rows) is ``server_app.training``.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from common.adapters import adapter_kind
 from common.config import ConfigError, RunConfig
-from common.guard import TRAIN_GUARD_METRICS
 from common.logs import get_logger
-from common.records import num_bytes
-from common.reply_checks import TRAIN_OPTIONAL, ReplyLimits, chosen_max_update_norm, reply_metric_specs
+from common.reply_checks import chosen_max_update_norm
 from strategies import Strategy, load_run_config, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
 from .admission import Admission, initialise_strategy, log_left_out, slim
 from .evaluation import evaluate_round
-from .offenders import Offenders, combine, refuse_unsound_sums
+from .offenders import Offenders
 from .rundir import CheckpointError, RunDirectory
 from .sampling import round_participants
-from .secure import train_groups_secure
-from .transport import collect_reports, query_clients, train_groups_plain, wait_for_nodes
+from .training import reply_limits, train_round, train_rows
+from .transport import collect_reports, query_clients, wait_for_nodes
 
 log = get_logger("tessera.server")
 app = ServerApp()
+
+
+@dataclass
+class Federation:
+    """What a run carries from round to round (``run_federation``).
+
+    Attributes:
+        cfg, run, strategy: the validated run config, its run directory and the strategy's server half.
+        node_ids: the nodes taking part (this round's, after the nodes that joined are admitted).
+        clients: node id -> the identity it was admitted with; refused: nodes left out for the run.
+        admission: what the first admission agreed on (each model's start, who holds each partition).
+        offenders: who is behind refused secure aggregates; norm_medians: each round's median accepted update norm
+            (what ``robust.auto-norm-multiple`` chooses the bound from).
+    """
+
+    cfg: RunConfig
+    run: RunDirectory
+    strategy: Strategy
+    node_ids: list[int]
+    clients: dict[int, ClientInfo]
+    refused: set[int]
+    admission: Admission
+    offenders: Offenders
+    norm_medians: list[float] = field(default_factory=list)
 
 
 @app.main()
@@ -43,6 +70,18 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def run_federation(grid: Grid, context: Context) -> RunDirectory:
+    """The whole run: start (or resume after the checkpoint's round, else round 0), every round, finish."""
+    fed, checkpoint = start_federation(grid, context)
+    first_round = resume_federation(fed, checkpoint) if checkpoint is not None else round_zero(grid, fed)
+    for server_round in range(first_round, fed.cfg.num_server_rounds + 1):
+        run_round(grid, context, fed, server_round)
+    finish_federation(fed)
+    return fed.run
+
+
+def start_federation(grid: Grid, context: Context) -> tuple[Federation, tuple[dict, dict[str, Arrays]] | None]:
+    """Validate the run config, check the run directory, build the strategy, wait for the nodes and admit them;
+    with ``resume=true`` also the checkpoint to continue from (its partition owners already bound)."""
     try:
         cfg = load_run_config(dict(context.run_config))  # fails before round 1, naming the key
     except ConfigError as err:
@@ -67,14 +106,20 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
         node_ids,
         run.path,
     )
-
-    first_round = 1
     admission = Admission(bind=cfg.robust.bind_partitions)
     checkpoint = run.load_checkpoint() if cfg.resume else None
     if checkpoint is not None:  # partitions stay bound to the nodes that held them (robust.bind-partitions)
         admission.owner = {int(p): int(n) for p, n in checkpoint[0].get("partition-owners", {}).items()}
     offenders = Offenders(cfg.robust.exclude_after, cfg.seed)  # who is behind refused secure aggregates
-    norm_medians: list[float] = []  # each round's median accepted update norm (robust.auto-norm-multiple)
+    clients, left_out = _admit_clients(grid, cfg, strategy, admission, node_ids)
+    fed = Federation(cfg, run, strategy, node_ids, clients, set(left_out), admission, offenders)
+    return fed, checkpoint
+
+
+def _admit_clients(
+    grid: Grid, cfg: RunConfig, strategy: Strategy, admission: Admission, node_ids: list[int]
+) -> tuple[dict[int, ClientInfo], dict[int, str]]:
+    """The nodes that can take part, initialised in the strategy, and those left out (with why); too few fail."""
     queried = query_clients(grid, node_ids, cfg.round_timeout)
     clients, left_out = admission.admit(queried)
     clients, small = initialise_strategy(strategy, clients, cfg.secure)
@@ -87,73 +132,110 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
             f"(left out: {left_out or 'none'}; not answering: {sorted(set(node_ids) - set(queried)) or 'none'})"
         )
     log.info("clients: %s", {nid: f"partition {c.partition_id}, {c.model}" for nid, c in sorted(clients.items())})
-    refused: set[int] = set(left_out)  # nodes left out, or that joined later and could not take part
-    if checkpoint is not None:
-        meta, state = checkpoint
-        check_resumable(cfg, strategy, meta, state, run.checkpoint_dir)
-        strategy.load_state_dict(state)
-        first_round = meta["round"] + 1
-        run.truncate_metrics_after(meta["round"])
-        norm_medians = [r["update_norm_median"] for r in run.read_metrics() if _median_row(r)]
-        log.info("resuming after round %d from %s", meta["round"], run.checkpoint_dir)
-    else:
-        if run.metrics_path.exists():
-            run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
-        if cfg.eval.initial:
-            evaluated = round_participants(cfg, node_ids, clients, 0)[1]
-            evaluate_round(grid, cfg, strategy, run, 0, evaluated, {}, time.perf_counter(), _partitions(clients))
-        _checkpoint(run, 0, strategy, _checkpoint_meta(cfg, node_ids, admission))
+    return clients, left_out
 
-    for server_round in range(first_round, cfg.num_server_rounds + 1):
+
+def resume_federation(fed: Federation, checkpoint: tuple[dict, dict[str, Arrays]]) -> int:
+    """Continue after the checkpoint's round: its state loaded (refused if written by another strategy or shape),
+    later metrics rows dropped, the norm medians read back; the first round to run."""
+    meta, state = checkpoint
+    check_resumable(fed.cfg, fed.strategy, meta, state, fed.run.checkpoint_dir)
+    fed.strategy.load_state_dict(state)
+    fed.run.truncate_metrics_after(meta["round"])
+    fed.norm_medians = [r["update_norm_median"] for r in fed.run.read_metrics() if _median_row(r)]
+    log.info("resuming after round %d from %s", meta["round"], fed.run.checkpoint_dir)
+    return meta["round"] + 1
+
+
+def round_zero(grid: Grid, fed: Federation) -> int:
+    """A fresh start: a fresh metrics file, the evaluation before any training (``eval.initial``) and the round-0
+    checkpoint; the first round to run."""
+    if fed.run.metrics_path.exists():
+        fed.run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
+    if fed.cfg.eval.initial:
+        evaluated = round_participants(fed.cfg, fed.node_ids, fed.clients, 0)[1]
         started = time.perf_counter()
-        connected = sorted(grid.get_node_ids()) or node_ids
-        node_ids = _admit_new_nodes(grid, cfg, strategy, clients, refused, connected, admission)
-        sampled, evaluated = round_participants(cfg, node_ids, clients, server_round)
-        sampled = [n for n in sampled if n not in offenders.excluded]  # repeat offenders train no more
-        asked = strategy.report_nodes(server_round, sampled)
-        report_rows = _collect_reports(grid, cfg, strategy, server_round, asked) if asked else {}
-        bound = chosen_max_update_norm(norm_medians, cfg.robust.auto_norm_multiple, cfg.robust.max_update_norm)
-        limits = reply_limits(cfg, bound)
-        parts, results = _train_round(grid, context, cfg, strategy, server_round, sampled, offenders, limits)
-        accepted = sum(len(r.contributors) for r in results)
-        if accepted < cfg.min_train_replies:
-            log.error(
-                "round %d failed: %d valid replies < min-train-replies=%d (rejected: %s); keeping the previous "
-                "adapters",
-                server_round,
-                accepted,
-                cfg.min_train_replies,
-                {n: why for r in results for n, why in r.rejected.items()},
-            )
-            results = [GroupResult(r.name, None, 0.0, [], r.rejected, r.metrics, r.aggregate_rejected) for r in results]
-        aggregate_started = time.perf_counter()
-        strategy.update(server_round, results)
-        aggregate_seconds = time.perf_counter() - aggregate_started
-        rows = _train_rows(
-            parts, aggregate_seconds, {**adapter_kind(cfg.adapter).reply_metrics, **strategy.reply_metrics}
-        )
-        rows[None]["max_update_norm"] = bound
-        if median := rows[None].get("update_norm_median"):  # the next rounds' bound is chosen from these
-            norm_medians.append(median)
-        if offenders.excluded:
-            rows[None]["excluded"] = {str(n): why for n, why in offenders.excluded.items()}
-        for nid, extra in report_rows.items():
-            rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra)
-        rows[None].update(strategy.report(), sampled=sampled)
-        evaluate_round(grid, cfg, strategy, run, server_round, evaluated, rows, started, _partitions(clients))
-        strategy.plot_round(server_round, rows[None], run.path)
-        _checkpoint(run, server_round, strategy, _checkpoint_meta(cfg, node_ids, admission))
+        evaluate_round(grid, fed.cfg, fed.strategy, fed.run, 0, evaluated, {}, started, _partitions(fed.clients))
+    _checkpoint(fed.run, 0, fed.strategy, _checkpoint_meta(fed.cfg, fed.node_ids, fed.admission))
+    return 1
 
-    adapters = _save_adapters(cfg, strategy, run)
-    plot = run.plot_eval_loss()
-    strategy.plot_run(run.read_metrics(), run.path)
-    log.info("done. metrics: %s | plot: %s | adapter: %s", run.metrics_path, plot, ", ".join(str(a) for a in adapters))
+
+def run_round(grid: Grid, context: Context, fed: Federation, server_round: int) -> None:
+    """One round: nodes that joined admitted, the sample drawn, reports collected where the strategy asks, its
+    groups trained and their means folded in, every evaluated node's row written, the round plotted and
+    checkpointed."""
+    cfg, strategy = fed.cfg, fed.strategy
+    started = time.perf_counter()
+    connected = sorted(grid.get_node_ids()) or fed.node_ids
+    fed.node_ids = _admit_new_nodes(grid, cfg, strategy, fed.clients, fed.refused, connected, fed.admission)
+    sampled, evaluated = round_participants(cfg, fed.node_ids, fed.clients, server_round)
+    sampled = [n for n in sampled if n not in fed.offenders.excluded]  # repeat offenders train no more
+    asked = strategy.report_nodes(server_round, sampled)
+    report_rows = _collect_reports(grid, cfg, strategy, server_round, asked) if asked else {}
+    bound = chosen_max_update_norm(fed.norm_medians, cfg.robust.auto_norm_multiple, cfg.robust.max_update_norm)
+    limits = reply_limits(cfg, bound)
+    parts, results = train_round(grid, context, cfg, strategy, server_round, sampled, fed.offenders, limits)
+    results = _without_means_below_quorum(cfg, server_round, results)
+    aggregate_started = time.perf_counter()
+    strategy.update(server_round, results)
+    rows = _round_rows(fed, parts, time.perf_counter() - aggregate_started, bound, report_rows, sampled)
+    evaluate_round(grid, cfg, strategy, fed.run, server_round, evaluated, rows, started, _partitions(fed.clients))
+    strategy.plot_round(server_round, rows[None], fed.run.path)
+    _checkpoint(fed.run, server_round, strategy, _checkpoint_meta(cfg, fed.node_ids, fed.admission))
+
+
+def _without_means_below_quorum(cfg: RunConfig, server_round: int, results: list[GroupResult]) -> list[GroupResult]:
+    """The round's results, or, with fewer valid replies than ``min-train-replies``, the same without their means
+    (the round fails, logged: the strategy keeps its previous adapters)."""
+    accepted = sum(len(r.contributors) for r in results)
+    if accepted < cfg.min_train_replies:
+        log.error(
+            "round %d failed: %d valid replies < min-train-replies=%d (rejected: %s); keeping the previous adapters",
+            server_round,
+            accepted,
+            cfg.min_train_replies,
+            {n: why for r in results for n, why in r.rejected.items()},
+        )
+        results = [GroupResult(r.name, None, 0.0, [], r.rejected, r.metrics, r.aggregate_rejected) for r in results]
+    return results
+
+
+def _round_rows(
+    fed: Federation,
+    parts: list[GroupResult],
+    aggregate_seconds: float,
+    bound: float,
+    report_rows: dict[int | None, dict[str, Any]],
+    sampled: list[int],
+) -> dict[int | None, dict[str, Any]]:
+    """The round's train rows (per node and the aggregate, ``None``) with its norm bound, exclusions, reports and
+    the strategy's diagnostics; the round's median update norm kept for the next rounds' bound."""
+    extra = {**adapter_kind(fed.cfg.adapter).reply_metrics, **fed.strategy.reply_metrics}
+    rows = train_rows(parts, aggregate_seconds, extra)
+    rows[None]["max_update_norm"] = bound
+    if median := rows[None].get("update_norm_median"):  # the next rounds' bound is chosen from these
+        fed.norm_medians.append(median)
+    if fed.offenders.excluded:
+        rows[None]["excluded"] = {str(n): why for n, why in fed.offenders.excluded.items()}
+    for nid, extra_row in report_rows.items():
+        rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra_row)
+    rows[None].update(fed.strategy.report(), sampled=sampled)
+    return rows
+
+
+def finish_federation(fed: Federation) -> None:
+    """Save the strategy's final adapters, plot the run and say where everything is."""
+    adapters = _save_adapters(fed.cfg, fed.strategy, fed.run)
+    plot = fed.run.plot_eval_loss()
+    fed.strategy.plot_run(fed.run.read_metrics(), fed.run.path)
+    log.info(
+        "done. metrics: %s | plot: %s | adapter: %s", fed.run.metrics_path, plot, ", ".join(str(a) for a in adapters)
+    )
     print(
-        f"[tessera] metrics: {run.metrics_path}\n[tessera] plot: {plot}\n"
+        f"[tessera] metrics: {fed.run.metrics_path}\n[tessera] plot: {plot}\n"
         f"[tessera] adapter: {', '.join(str(a) for a in adapters)}",
         flush=True,
     )
-    return run
 
 
 def _checkpoint_meta(cfg: RunConfig, node_ids: list[int], admission: Admission | None = None) -> dict[str, Any]:
@@ -242,10 +324,6 @@ def partition_holder(clients: dict[int, ClientInfo], partition_id: int, live: se
     return next((nid for nid, c in clients.items() if c.partition_id == partition_id and nid in live), None)
 
 
-def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:
-    return {"server-round": server_round, "num-server-rounds": cfg.num_server_rounds}
-
-
 def _collect_reports(
     grid: Grid, cfg: RunConfig, strategy: Strategy, server_round: int, node_ids: list[int]
 ) -> dict[int | None, dict[str, Any]]:
@@ -260,110 +338,10 @@ def _collect_reports(
     return rows
 
 
-def _train_round(
-    grid: Grid,
-    context: Context,
-    cfg: RunConfig,
-    strategy: Strategy,
-    server_round: int,
-    node_ids: list[int],
-    offenders: Offenders,
-    limits: ReplyLimits,
-) -> tuple[list[GroupResult], list[GroupResult]]:
-    """Train the strategy's groups; (the results as trained: a secure group holding suspects as its subgroups, one
-    per group for the strategy: subgroups combined). Group means the strategy's ``check_sum`` refuses have none."""
-    secure = cfg.secure and strategy.aggregates
-    planned = strategy.train_groups(server_round, node_ids)
-    groups = offenders.split(server_round, planned) if secure else planned
-    config = _train_config(cfg, server_round)
-    for group in groups:
-        log.info(
-            "round %d: training group %s (%d clients)%s",
-            server_round,
-            group.name,
-            len(group.members),
-            " via SecAgg+" if cfg.secure and strategy.aggregates else "",
-        )
-    if secure:  # one SecAgg+ run per group, the groups at once (train_groups_secure)
-        results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, limits)
-    else:
-        results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, limits, strategy.check_sum)
-    for group, result in zip(groups, results):
-        for nid in result.metrics:
-            sent, received = num_bytes(group.reply_reference(nid)), num_bytes(group.start[nid])
-            result.metrics[nid].setdefault("bytes_up", sent)
-            result.metrics[nid]["bytes_down"] = received
-            # layerwise routing: adapter bytes a member did NOT send because its blocks were inactive
-            result.metrics[nid]["routing_bytes_saved"] = received - sent
-    refuse_unsound_sums(strategy, server_round, results)
-    if secure:
-        offenders.observe(server_round, results)
-    return results, combine(planned, results)
-
-
 def _median_row(row: dict[str, Any]) -> bool:
     return row.get("node") is None and row.get("round", 0) > 0 and bool(row.get("update_norm_median"))
 
 
-def reply_limits(cfg: RunConfig, max_update_norm: float | None = None) -> ReplyLimits:
-    """What this run's train replies are held to: the instruction's example budget and ``robust.*`` (the update
-    norm bound as chosen for the round, ``chosen_max_update_norm``; default: ``robust.max-update-norm``)."""
-    declared = {**adapter_kind(cfg.adapter).reply_metrics, **strategy_spec(cfg.strategy).server.reply_metrics}
-    return ReplyLimits(
-        examples_per_round=examples_per_round(cfg),
-        max_update_norm=max_update_norm or cfg.robust.max_update_norm,
-        clip_norm=cfg.robust.clip_norm or None,
-        optional_metrics={**TRAIN_OPTIONAL, **reply_metric_specs(declared)},
-    )
-
-
-def examples_per_round(cfg: RunConfig) -> int:
-    """The most examples one member trains on in a round: what its weight (``num_examples``) is capped at."""
-    train = cfg.train_settings()
-    return train.local_steps * train.batch_size * train.grad_accum_steps
-
-
-def _train_rows(
-    results: list[GroupResult], aggregate_seconds: float, extra: dict[str, type | None]
-) -> dict[int | None, dict[str, Any]]:
-    """Per node: the train metrics every run has, and ``extra``: what the adapter kind and the strategy add (already
-    parsed into numbers and lists where the reply was checked: ``reply_limits``' ``optional_metrics``)."""
-    rows: dict[int | None, dict[str, Any]] = {None: {"aggregate_seconds": aggregate_seconds, "rejected": {}}}
-    for result in results:
-        for nid, metrics in result.metrics.items():
-            rows[nid] = {
-                "group": result.name,
-                "train_loss": metrics.get("train_loss"),
-                "train_tokens": metrics.get("train_tokens"),
-                "train_seconds": metrics.get("train_seconds"),
-                "tokens_per_second": metrics.get("tokens_per_second"),
-                "bytes_up": metrics.get("bytes_up", 0),
-                "bytes_down": metrics.get("bytes_down", 0),
-                "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),
-                "update_norm": metrics.get("update_norm"),  # L2 from what it was sent (secure: the member's word)
-                "accepted": nid in result.contributors,
-                **{k: metrics[k] for k in TRAIN_GUARD_METRICS if k in metrics},  # what it kept of what it was sent
-                **{k: metrics[k] for k in extra if k in metrics},  # typed where the reply was checked
-            }
-            if clipped := metrics.get("secagg_clipped"):  # values SecAgg+ clamped to its range (the member counted)
-                rows[nid]["secagg_clipped"] = clipped
-                rows[None]["secagg_clipped"] = rows[None].get("secagg_clipped", 0) + clipped
-                log.warning("node %d: SecAgg+ clipped %d values to its range", nid, clipped)
-            if metrics.get("robust"):  # capped weight, clipped update (common.reply_checks)
-                rows[nid]["robust"] = metrics["robust"]
-                rows[None]["robust_adjusted"] = rows[None].get("robust_adjusted", 0) + 1
-        rows[None]["rejected"].update({str(n): why for n, why in result.rejected.items()})
-        if result.aggregate_rejected:  # a secure group's aggregate refused as a whole (server_app.secure)
-            rows[None].setdefault("aggregates_rejected", {})[result.name] = result.aggregate_rejected
-    norms = [
-        r["update_norm"] for n, r in rows.items() if n is not None and r["accepted"] and r["update_norm"] is not None
-    ]
-    if norms:  # what honest updates look like this round: robust.max-update-norm is chosen against it
-        rows[None]["update_norm_median"] = float(np.median(norms))
-    return rows
-
-
-# what an evaluation reply adds to its node's metrics row: these always (None when absent) ...
 def _save_adapters(cfg: RunConfig, strategy: Strategy, run: RunDirectory) -> list:
     """The strategy's final adapters, each written the way its adapter kind saves a server copy (PEFT for LoRA)."""
     kind = adapter_kind(cfg.adapter)

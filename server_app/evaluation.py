@@ -11,7 +11,7 @@ import psutil
 from common.data import DATA_COUNT_KEYS
 from common.guard import GUARD_METRICS
 from common.logs import get_logger
-from common.records import num_bytes
+from common.records import IDENTITY_KEYS, num_bytes
 
 from .transport import evaluate_nodes
 
@@ -66,25 +66,7 @@ def evaluate_round(
             row.update({k: metrics.get(k) for k in EVAL_ROW_KEYS})
             row.update({k: metrics[k] for k in EVAL_ROW_EXTRAS if k in metrics})
             row.update({k: v for k, v in metrics.items() if k.startswith("bound_")})  # an adapter's bound (SubLoRA)
-            row.update(
-                {
-                    k.replace("-", "_"): metrics.get(k)
-                    for k in (
-                        "partition-id",
-                        "tasks",
-                        "model",
-                        "pid",
-                        "model-loads",
-                        "model-load-seconds",
-                        "peak-rss-mb",
-                        "startup-seconds",
-                        "ray-node",
-                        "state-restored",
-                        "state-bytes",
-                        *DATA_COUNT_KEYS,
-                    )
-                }
-            )
+            row.update({k.replace("-", "_"): metrics.get(k) for k in (*IDENTITY_KEYS, *DATA_COUNT_KEYS)})
             # typed and bounded where the reply was checked (common.reply_checks.check_eval_metrics)
             n = metrics["eval_examples"]
             generated = metrics.get("eval_generated", n)  # EM and ROUGE-L come from the generated subset

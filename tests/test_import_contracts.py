@@ -1,5 +1,6 @@
 """The layers are a check, not a convention: import-linter's contracts in pyproject.toml hold for the tree, and
-they catch a strategy that imports a sibling and a ``common`` module that imports a strategy."""
+they catch a strategy that imports a sibling and a ``common`` module that imports a strategy; and no package of
+``strategies/`` is left out of the contracts that list them by hand."""
 
 import shutil
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "strategies", "client_app", "server_app", "bench", "deploy")
@@ -59,6 +61,66 @@ def test_a_forbidden_import_breaks_a_contract(tree_copy, module, line, broken):
     result = lint_imports(tree_copy)
     assert result.returncode != 0
     assert broken in result.stdout, result.stdout[-3000:]
+
+
+def contract_gaps(root: Path) -> list[str]:
+    """What the contracts in ``root``'s pyproject.toml miss of ``root/strategies``: the contracts list the strategy
+    packages by hand, so a package missing from them could import a sibling and still pass lint. Every module of
+    ``strategies/`` (a package: a directory with an ``__init__.py``; or a ``.py`` file) but the registry and
+    ``__init__`` is either a shared module (a source of the contract that forbids the strategy packages) or a
+    strategy package, which must be in the independence contract and among that contract's forbidden modules."""
+    contracts = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    independent = {m for c in contracts if c["type"] == "independence" for m in c["modules"]}
+    shared_contracts = [
+        c
+        for c in contracts
+        if c["type"] == "forbidden" and any(m.startswith("strategies.") for m in c["source_modules"])
+    ]
+    shared = {m for c in shared_contracts for m in c["source_modules"]}
+    forbidden_to_shared = {m for c in shared_contracts for m in c["forbidden_modules"]}
+    folder = root / "strategies"
+    modules = {f"strategies.{p.parent.name}" for p in folder.glob("*/__init__.py")}
+    modules |= {f"strategies.{p.stem}" for p in folder.glob("*.py") if p.stem not in ("__init__", "registry")}
+    gaps = []
+    for module in sorted(modules - shared):
+        if module not in independent:
+            gaps.append(f"{module}: not in the independence contract")
+        if module not in forbidden_to_shared:
+            gaps.append(f"{module}: not among the modules the shared modules may not import")
+    return gaps
+
+
+def test_every_strategy_package_is_in_the_contracts():
+    assert contract_gaps(ROOT) == []
+
+
+NEWCOMER_GAPS = [
+    "strategies.newcomer: not in the independence contract",
+    "strategies.newcomer: not among the modules the shared modules may not import",
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "gaps"),
+    [
+        ("new package", NEWCOMER_GAPS),
+        ("new module", NEWCOMER_GAPS),
+        ("left out of the independence contract", ["strategies.mira: not in the independence contract"]),
+    ],
+)
+def test_a_strategy_package_missing_from_the_contracts_is_found(tmp_path, change, gaps):
+    shutil.copytree(ROOT / "strategies", tmp_path / "strategies", ignore=shutil.ignore_patterns("__pycache__"))
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    if change == "new package":  # a sibling import from it would pass lint: no contract names it
+        (tmp_path / "strategies" / "newcomer").mkdir()
+        (tmp_path / "strategies" / "newcomer" / "__init__.py").write_text("from ..mira import config\n")
+    elif change == "new module":
+        (tmp_path / "strategies" / "newcomer.py").write_text("from .mira import config\n")
+    else:
+        independence = pyproject.index('type = "independence"')
+        pyproject = pyproject[:independence] + pyproject[independence:].replace('    "strategies.mira",\n', "", 1)
+    (tmp_path / "pyproject.toml").write_text(pyproject)
+    assert contract_gaps(tmp_path) == gaps
 
 
 def test_no_module_imports_itself_back():

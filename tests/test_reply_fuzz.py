@@ -16,11 +16,11 @@ from test_transport_plain import START, InMemoryGrid
 from common.core_sections import MODULUS_RANGE, SecAggSection
 from common.records import ReplyError, metrics_reply, train_reply
 from common.reply_checks import EVAL_METRICS, EVAL_OPTIONAL, Bound, ListOf
-from server_app.app import _train_rows, reply_limits
 from server_app.evaluation import evaluate_round
 from server_app.rundir import RunDirectory
 from server_app.secure import _check_secure_replies
 from server_app.secure_weights import Unmasked
+from server_app.training import reply_limits, train_rows
 from server_app.transport import train_groups_plain
 from strategies import REGISTRY, load_run_config
 from strategies.base import Group, GroupResult
@@ -50,7 +50,7 @@ def in_bounds(value, spec) -> bool:
 
 def write_rows(tmp_path, results, extra) -> list:
     """The round's train rows, written as the ServerApp writes them (strict JSON: no NaN)."""
-    rows = _train_rows(results, 0.0, extra)
+    rows = train_rows(results, 0.0, extra)
     RunDirectory(tmp_path).append_metrics([{"round": 1, "node": n, **r} for n, r in rows.items()])
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} written to metrics.jsonl"))

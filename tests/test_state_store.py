@@ -81,3 +81,24 @@ def test_the_default_directory_is_the_node_cache(tmp_path, monkeypatch):
     ctx = context(tmp_path)
     del ctx.node_config["state-dir"]
     assert state_file(ctx).is_relative_to(tmp_path / "cache" / "client-state")  # a SuperNode (no Ray here)
+
+
+def test_a_message_validates_its_run_config_once(tmp_path, monkeypatch):
+    """The state keys (read before and after the handler) and the runtime share one validated run config per
+    message; the next message validates again."""
+    from client_app import runtime
+
+    monkeypatch.setattr(runtime, "_startup", {"spawn": 0.0, "began": 0.0, "ready": 0.0})
+    monkeypatch.setattr(runtime, "_validated", {})
+    validated = []
+    real = runtime.load_run_config
+    monkeypatch.setattr(runtime, "load_run_config", lambda flat: validated.append(flat) or real(flat))
+    ctx = context(tmp_path)
+    runtime.begin_message(0.0)
+    keys = runtime.declared_state_keys(ctx)
+    assert runtime.run_config(ctx) is runtime.run_config(ctx) and runtime.declared_state_keys(ctx) == keys
+    assert len(validated) == 1 and keys == ("personal.lora",)
+    other = Context(7, 1, ctx.node_config, RecordDict(), {**ctx.run_config, "strategy": "fedavg"})
+    assert runtime.run_config(other).strategy == "fedavg" and len(validated) == 2  # another config: validated
+    runtime.begin_message(0.0)
+    assert runtime.declared_state_keys(ctx) == keys and len(validated) == 3  # the next message validates afresh

@@ -354,7 +354,7 @@ def test_every_accepted_update_has_its_norm_measured_by_the_server_and_the_round
     """robust.max-update-norm is the hostile member's budget; to choose it an operator needs what honest updates
     look like: each train row has the update's L2 distance from what was sent (measured by the server in plain
     mode, whatever the member claims) and the round's row their median."""
-    from server_app.app import _train_rows
+    from server_app.training import train_rows
 
     behaviour = {
         1: good(1.0, 10),
@@ -365,7 +365,7 @@ def test_every_accepted_update_has_its_norm_measured_by_the_server_and_the_round
     size = sum(v.size for v in START.values())
     assert result.metrics[1]["update_norm"] == pytest.approx(np.sqrt(size))
     assert result.metrics[2]["update_norm"] == pytest.approx(3 * np.sqrt(size))  # measured, not the member's word
-    rows = _train_rows([result], 0.0, {})
+    rows = train_rows([result], 0.0, {})
     assert rows[1]["update_norm"] == pytest.approx(np.sqrt(size))
     assert rows[None]["update_norm_median"] == pytest.approx(2 * np.sqrt(size))
 

@@ -18,6 +18,7 @@ from pydantic import Field
 from common.config import RunConfig, Section
 from strategies import ClientInfo, FinalAdapter, Group, GroupResult, Strategy, StrategyClient, StrategySpec, register
 from strategies.base import Arrays
+from strategies.client import ClientRuntime
 
 WEIGHT_BY_PARTITION = "partition"
 
@@ -84,7 +85,7 @@ class ToyMeanClient(StrategyClient):
 
     state_keys: ClassVar[tuple[str, ...]] = ("toymean.rounds",)
 
-    def outgoing(self, rt: Any, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
+    def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:
         kept = rt.state.get("toymean.rounds")
         rounds = 1 + (int(kept["n"]) if kept is not None else 0)
         rt.state.put("toymean.rounds", {"n": np.asarray(rounds, np.float32)})

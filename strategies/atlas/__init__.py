@@ -1,8 +1,9 @@
 """ATLAS: task clusters from gradient fingerprints and FedAvg strictly inside each cluster (seed 003, phases 1-3).
 
-``clustering.py`` and ``ranks.py`` are its math (pure functions); ``server.py`` its server half (the client half
-is the shared fingerprint report: ``strategies.fingerprint``); ``config.py`` its section (``atlas.*``);
-``plots.py`` its figures.
+``clustering.py`` (clusters and groups), ``ranks.py`` (per-layer ranks; ``RankPlan`` keeps who has which) and
+``neighbours.py`` (the MIRA step inside the clusters) are its math (pure functions); ``server.py`` its server half,
+``client.py`` its client half (on the shared fingerprint report: ``strategies.fingerprint``) and ``wire.py`` the
+names the two halves send each other; ``config.py`` its section (``atlas.*``); ``plots.py`` its figures.
 """
 
 from ..fingerprint import FingerprintSection

@@ -25,24 +25,12 @@ from ..client import ClientRuntime, save_whole_adapter
 from ..fingerprint import FingerprintClient
 from ..fingerprint.laplacian import laplacian_start
 from .config import AtlasSection
+from .wire import MEMORY_MB, NEIGHBOUR_TERM, OWN_RANKS, WIRE_RANKS, decode_ranks
 
 if TYPE_CHECKING:
     from common.adapters import ClientState
 
-OWN_RANKS, WIRE_RANKS = "lora-ranks", "wire-ranks"  # instruction config keys: comma-separated, sorted layer order
-NEIGHBOUR_TERM = "neighbour-term"  # instruction config key: the arrays sent are N_k (atlas.laplacian-eta > 0)
 OWN_ADAPTER = "atlas.adapter"  # node state: the client's own trained adapter (atlas.laplacian-eta > 0)
-
-
-def encode_ranks(ranks: dict[str, int]) -> str:
-    return ",".join(str(ranks[path]) for path in sorted(ranks))
-
-
-def decode_ranks(value: Any, paths: list[str]) -> dict[str, int]:
-    numbers = [int(x) for x in str(value).split(",") if x.strip()]
-    if len(numbers) != len(paths):
-        raise ValueError(f"{len(numbers)} ranks for {len(paths)} LoRA layers")
-    return dict(zip(sorted(paths), numbers))
 
 
 class AtlasClient(FingerprintClient):
@@ -62,7 +50,7 @@ class AtlasClient(FingerprintClient):
         arrays, metrics = super().report(rt, state, server_round)
         budget = self.cfg.section(AtlasSection).budget(rt.partition_id, rt.node_config)
         if budget is not None:
-            metrics["memory_mb"] = budget
+            metrics[MEMORY_MB] = budget
         return arrays, metrics
 
     def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:

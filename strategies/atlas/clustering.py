@@ -1,5 +1,6 @@
 """ATLAS phase 1 as pure functions: (PCA-reduced) fingerprints -> k-means with k chosen by a combined score ->
-purity, and the merge of clusters too small for SecAgg+.
+purity, and the merge of clusters too small for SecAgg+; ``group_clients`` clusters and groups a family the way
+``atlas.*`` says (a ``Grouping``) and ``clustering_row`` puts one in the metrics row.
 
 NumPy in, NumPy out; scikit-learn does the k-means and the three cluster-quality scores (seed 003); the PCA is
 ``strategies.fingerprint.pca``. No Flower here: ``server.py`` calls these on the fingerprints the clients reported.
@@ -10,8 +11,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .config import AtlasSection
 
 LOW_PURITY = 0.8  # seed 003's bar for cluster-task alignment
 
@@ -116,6 +121,64 @@ def oracle_clusters(points: np.ndarray, task_sets: Sequence[str]) -> Clustering:
     """One cluster per distinct task set (the baseline seed 003 asks for): what perfect fingerprints would give."""
     order = {name: i for i, name in enumerate(dict.fromkeys(task_sets))}
     return _with_scores(points, np.array([order[t] for t in task_sets], dtype=np.int64))
+
+
+def cluster(points: np.ndarray, cfg: AtlasSection, seed: int, task_sets: Sequence[str]) -> Clustering:
+    """The clustering ``cfg`` asks for: by task set (``atlas.clustering = "oracle"``), with a fixed ``atlas.k``, or
+    with k chosen up to ``atlas.k-max`` (preferring clusters of at least ``atlas.min-cluster-size``)."""
+    if cfg.clustering == "oracle":
+        return oracle_clusters(points, task_sets)
+    if cfg.k:
+        return fixed_clusters(points, cfg.k, seed)
+    return choose_clusters(points, cfg.k_max, seed, cfg.min_cluster_size)
+
+
+@dataclass
+class Grouping:
+    """A family's clustering and the groups that train from it.
+
+    Attributes:
+        clustering: the clusters of its clients (in the family's member order).
+        groups: each client's group: its cluster, or under SecAgg+ the cluster a too-small one merged into.
+        merges: one line per merge (logged, and in the metrics row).
+        clustered_round: the round it was computed in.
+    """
+
+    clustering: Clustering
+    groups: np.ndarray
+    merges: list[str]
+    clustered_round: int
+
+
+def group_clients(
+    points: np.ndarray, cfg: AtlasSection, seed: int, task_sets: Sequence[str], secure: bool, server_round: int
+) -> Grouping:
+    """The clustering ``cfg`` asks for (``cluster``) and its groups: the clusters, or under SecAgg+ the clusters
+    with those below ``atlas.min-group-size`` merged into their nearest (``merge_small_clusters``)."""
+    clustering = cluster(points, cfg, seed, task_sets)
+    groups, merges = clustering.labels, list[str]()
+    if secure:
+        groups, merges = merge_small_clusters(clustering.labels, clustering.centroids, cfg.min_group_size)
+    return Grouping(clustering, groups, merges, server_round)
+
+
+def clustering_row(grouping: Grouping, tasks: Sequence[str]) -> dict[str, Any]:
+    """A family's grouping in the metrics row: k, each client's cluster and group, the three scores, the score of
+    every k tried, the task purity of the clusters and of the groups, the merges and the round it was computed in."""
+    clustering, groups = grouping.clustering, grouping.groups
+    return {
+        "k": clustering.k,
+        "clusters": clustering.labels.tolist(),
+        "groups": groups.tolist(),
+        "silhouette": clustering.silhouette,
+        "davies_bouldin": clustering.davies_bouldin,
+        "calinski_harabasz": clustering.calinski_harabasz,
+        "k_scores": {str(k): v for k, v in clustering.scores.items()},
+        "purity": purity(clustering.labels.tolist(), tasks),
+        "group_purity": purity(groups.tolist(), tasks),
+        "merges": grouping.merges,
+        "clustered_round": grouping.clustered_round,
+    }
 
 
 def canonical_labels(labels: np.ndarray) -> np.ndarray:

@@ -1,13 +1,16 @@
-"""ATLAS phase 2 as pure functions: per-layer LoRA ranks under a memory budget, and averaging adapters whose ranks
-differ (zero-padded rank slots, averaged over the clients that have each slot).
+"""ATLAS phase 2 as pure functions: per-layer LoRA ranks under a memory budget (``allocate_ranks``; every client's
+of a clustering, ``plan_ranks``), the ranks a group travels at and what a client is sent at them (``wire_ranks``,
+``padded``), averaging adapters whose ranks differ (zero-padded rank slots, averaged over the clients that have
+each slot) and the allocation's metrics row (``rank_rows``).
 
 A "layer" here is one adapted module (block b's q_proj, ...), with its input and output width. NumPy in, NumPy out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +35,14 @@ class Layer:
     def parameters(self, rank: int) -> int:
         """LoRA's A (rank x fan_in) and B (fan_out x rank)."""
         return rank * (self.fan_in + self.fan_out)
+
+
+def lora_layers(initial: Arrays) -> list[Layer]:
+    """A LoRA adapter's layers (its sorted layer paths) with their widths (A is rank x fan_in, B fan_out x rank)."""
+    return [
+        Layer(path, int(initial[a].shape[1]), int(initial[b].shape[0]))
+        for path, (a, b) in lora_ranks.layers(initial).items()
+    ]
 
 
 def adapter_mb(layers: Sequence[Layer], ranks: Sequence[int]) -> float:
@@ -68,6 +79,45 @@ def allocate_ranks(
                 used += extra
                 break
     return ranks
+
+
+def check_budget(layers: Sequence[Layer], budget_mb: float | None, choices: Sequence[int]) -> None:
+    """Raise ValueError (``allocate_ranks``') when ``budget_mb`` fits no rank on these layers; None: no budget."""
+    if budget_mb is not None:
+        allocate_ranks(layers, [0.0] * len(layers), budget_mb, choices)
+
+
+@dataclass(frozen=True)
+class MemberRanks:
+    """One client's allocation: its rank per layer (in the layers' order) and its cluster's complexity scale."""
+
+    ranks: list[int]
+    scale: float
+
+
+def plan_ranks(
+    layers: Sequence[Layer],
+    fingerprints: np.ndarray,
+    labels: np.ndarray,
+    importances: Sequence[Mapping[str, float]],
+    budgets: Sequence[float | None],
+    choices: Sequence[int],
+) -> list[MemberRanks | None]:
+    """Every member's ranks after a clustering (members in ``labels``' order; None for one without a budget):
+    greedy by its layer importances (by layer name; a layer it did not name counts 0) within its budget times its
+    cluster's complexity scale (seed 003: more heterogeneous, harder clusters get more capacity), never below the
+    smallest rank on every layer."""
+    scales = complexity_scale(fingerprints, labels)
+    floor = adapter_mb(layers, [min(choices)] * len(layers))
+    plans: list[MemberRanks | None] = []
+    for label, importance, budget in zip(labels.tolist(), importances, budgets):
+        if budget is None:
+            plans.append(None)
+            continue
+        scale = scales[int(label)]
+        weights = [importance.get(layer.name, 0.0) for layer in layers]
+        plans.append(MemberRanks(allocate_ranks(layers, weights, max(budget * scale, floor), choices), scale))
+    return plans
 
 
 def complexity_scale(fingerprints: np.ndarray, labels: np.ndarray) -> dict[int, float]:
@@ -135,3 +185,96 @@ def slot_mean(mean: Arrays, fallback: Arrays | None) -> Arrays:
                 averaged = np.where(mask.reshape(shape) > 0, averaged, fallback[name]).astype(np.float32)
             out[name] = averaged
     return out
+
+
+class RankPlan:
+    """The clients that train at their own per-layer ranks (ATLAS: after each clustering, every client with a memory
+    budget, ``plan_ranks``) and how a unit's mean is read back then (``slot_mean``): the rank side of the server.
+
+    Attributes:
+        ranks_of: partition -> its rank per LoRA layer path; scale_of: partition -> its cluster's complexity scale.
+        slot_fallback: unit -> what a slot no contributing member has keeps (the unit's start, without masks).
+    """
+
+    def __init__(self, choices: Sequence[int]) -> None:
+        self.choices = choices
+        self.ranks_of: dict[int, dict[str, int]] = {}
+        self.scale_of: dict[int, float] = {}
+        self.slot_fallback: dict[str, Arrays] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether any client has its own ranks (then every instruction says each member's and its group's)."""
+        return bool(self.ranks_of)
+
+    def allocate(
+        self,
+        layers: Sequence[Layer],
+        members: Sequence[int],
+        fingerprints: np.ndarray,
+        labels: np.ndarray,
+        importances: Sequence[Mapping[str, float]],
+        budgets: Sequence[float | None],
+    ) -> list[tuple[int, MemberRanks]]:
+        """Every member's ranks after a clustering (``plan_ranks``; a member without a budget has none now); the
+        members given ranks, with their allocation."""
+        given = []
+        plans = plan_ranks(layers, fingerprints, labels, importances, budgets, self.choices)
+        for partition, plan in zip(members, plans):
+            if plan is None:
+                self.ranks_of.pop(partition, None)
+                continue
+            self.ranks_of[partition] = {layer.name: r for layer, r in zip(layers, plan.ranks)}
+            self.scale_of[partition] = plan.scale
+            given.append((partition, plan))
+        return given
+
+    def own(self, partition: int, initial: Arrays) -> dict[str, int]:
+        """``partition``'s ranks: its own, else those of its family's ``initial`` adapter."""
+        return self.ranks_of.get(partition) or lora_ranks.ranks(initial)
+
+    def start(self, unit: str, arrays: Arrays) -> None:
+        """Keep what ``unit`` starts from (one member's arrays): its slots that no contributing member has keep it."""
+        self.slot_fallback[unit] = lora_ranks.without_masks(arrays)
+
+    def finish(self, mean: Arrays, unit: str) -> Arrays:
+        """A unit's mean as its members' adapter: with ranks, every slot averaged over the members that have it."""
+        return slot_mean(mean, self.slot_fallback.get(unit)) if self.active else mean
+
+    def rows(self, layers: Sequence[Layer], partitions: Sequence[int], budgets: Mapping[int, float | None]) -> dict:
+        """The allocation of a family's ``partitions`` in its metrics row (``rank_rows``)."""
+        return rank_rows(layers, partitions, self.ranks_of, budgets, self.scale_of)
+
+
+def wire_ranks(sizes: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Per layer, the largest of these ranks (each a layer -> rank map): what a group's arrays travel at."""
+    return {path: max(s[path] for s in sizes) for path in sizes[0]}
+
+
+def padded(adapter: Arrays, own: dict[str, int], wire: dict[str, int], seed: int) -> Arrays:
+    """``adapter`` at the ``wire`` ranks (the slots it lacks seeded alike for every client, ``seeded_slots``) with
+    the slot masks of a client whose own ranks are ``own``."""
+    resized = lora_ranks.seeded_slots(lora_ranks.resize(adapter, wire), lora_ranks.ranks(adapter), seed)
+    return {**resized, **lora_ranks.masks(own, wire)}
+
+
+def rank_rows(
+    layers: Sequence[Layer],
+    partitions: Sequence[int],
+    ranks_of: Mapping[int, Mapping[str, int]],
+    budgets: Mapping[int, float | None],
+    scales: Mapping[int, float],
+) -> dict[str, Any]:
+    """A family's allocation in its metrics row: the layer names and, per client of ``partitions`` with ranks, its
+    ranks, adapter size, budget and scale (nothing when none has ranks)."""
+    ranked = [p for p in partitions if p in ranks_of]
+    if not ranked:
+        return {}
+    ranks = {str(p): [ranks_of[p][layer.name] for layer in layers] for p in ranked}
+    return {
+        "layers": [layer.name for layer in layers],
+        "ranks": ranks,
+        "adapter_mb": {str(p): adapter_mb(layers, ranks[str(p)]) for p in ranked},
+        "budget_mb": {str(p): budgets[p] for p in ranked},
+        "budget_scale": {str(p): scales[p] for p in ranked},
+    }

@@ -15,7 +15,8 @@ Per-layer ranks (``atlas.memory-mb`` or a node's ``memory-mb``): after each clus
 gets ranks from ``atlas.ranks`` per LoRA layer, greedily by its layer importances (``ranks.allocate_ranks``) within
 its budget times its cluster's complexity scale. A group's arrays travel at its members' largest rank per layer,
 each member's slots zero-padded with a slot mask, and each slot is averaged over the members that have it
-(``ranks.slot_average``): a linear rule, so SecAgg+'s sums carry it. The math lives in ``ranks.py``.
+(``ranks.slot_average``): a linear rule, so SecAgg+'s sums carry it. The math lives in ``ranks.py``, with
+``RankPlan``, which keeps who has which ranks; the instruction keys that carry them are ``wire.py``'s.
 
 MIRA inside the clusters (``atlas.laplacian-eta`` > 0, seed 003 phase 4): every client keeps its own adapter and is
 sent the neighbour term N_k = sum_l a_kl W_l over its own cluster (a_kl MIRA's row-normalised RBF adjacency with
@@ -23,6 +24,7 @@ a_kl = 0 across clusters), and steps W_k <- (1 - eta) W_k + eta N_k itself. In p
 group and N_k is exact (the server sees every W_l, as in MIRA); under SecAgg+ each group's mean is the only
 neighbour term its members can get (N_k = the group mean, client k included): with eta = 1 that is ATLAS's FedAvg.
 With ranks, the masks are mixed with the same weights, so each slot is averaged over the neighbours that have it.
+The math lives in ``neighbours.py``.
 """
 
 from __future__ import annotations
@@ -35,25 +37,17 @@ import numpy as np
 from common.adapters.lora import ranks as lora_ranks
 from common.logs import get_logger
 
-from ..aggregation import mix_group_means
 from ..base import Arrays, ClientInfo, FinalAdapter, Group, GroupResult, partition_state, read_partition_state
 from ..families import family_key
 from ..fingerprint import FingerprintReport, FingerprintSection, FingerprintStrategy
-from ..fingerprint.laplacian import median_alpha, normalised_adjacency, rbf_adjacency
+from ..fingerprint.laplacian import median_alpha
 from ..fingerprint.plots import adjacency as adjacency_plots
 from . import plots
-from .client import NEIGHBOUR_TERM, OWN_RANKS, WIRE_RANKS, encode_ranks
-from .clustering import (
-    LOW_PURITY,
-    Clustering,
-    choose_clusters,
-    fixed_clusters,
-    merge_small_clusters,
-    oracle_clusters,
-    purity,
-)
+from .clustering import LOW_PURITY, Grouping, clustering_row, group_clients, purity
 from .config import AtlasSection
-from .ranks import Layer, adapter_mb, allocate_ranks, complexity_scale, mask_problem, slot_mean
+from .neighbours import Neighbourhood, Unit, named_groups, neighbour_terms, neighbourhood, training_units
+from .ranks import Layer, MemberRanks, RankPlan, adapter_mb, check_budget, lora_layers, mask_problem, padded, wire_ranks
+from .wire import NEIGHBOUR_TERM, OWN_RANKS, WIRE_RANKS, encode_ranks
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -85,18 +79,11 @@ class Atlas(FingerprintStrategy):
         self.dim = fingerprint.dim
         self.secure = secure
         self.seed = seed
-        self.clusterings: dict[str, Clustering] = {}
-        self.group_labels: dict[str, np.ndarray] = {}  # family -> group of each member (clusters after merges)
-        self.merges: dict[str, list[str]] = {}
+        self.groupings: dict[str, Grouping] = {}  # family -> its clusters and groups (clusters after merges)
         self.adapter_of: dict[int, Arrays] = {}  # partition -> its cluster's adapter
-        self.ranks_of: dict[int, dict[str, int]] = {}  # partition -> its LoRA ranks (clients with a budget)
-        self.scale_of: dict[int, float] = {}  # partition -> its cluster's complexity scale (of its budget)
-        self._slot_fallback: dict[str, Arrays] = {}  # group -> the adapter its never-trained slots keep
-        self.clustered_round: dict[str, int] = {}  # family -> the round its clusters were computed in
+        self.plan = RankPlan(cfg.ranks)  # which clients have their own LoRA ranks (a memory budget), and what
         self.eta = cfg.laplacian_eta
-        self.alpha: dict[str, float] = {}
-        self.raw: dict[str, np.ndarray] = {}  # family -> a_kl before the clusters and the normalisation (heatmap)
-        self.adjacency: dict[str, np.ndarray] = {}  # family -> row-normalised a_kl inside clusters, ``members`` order
+        self.neighbourhoods: dict[str, Neighbourhood] = {}  # family -> its a_kl inside clusters (with a Laplacian step)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Atlas:
@@ -108,71 +95,42 @@ class Atlas(FingerprintStrategy):
             for info in clients.values():
                 budget = self.cfg.budget(info.partition_id, {})
                 try:
-                    self._check_budget(family_key(info.model), budget)
+                    check_budget(self.layers(family_key(info.model)), budget, self.cfg.ranks)
                 except ValueError as err:
                     raise ValueError(f"atlas.memory-mb: partition {info.partition_id}: {err}") from None
 
     def layers(self, family: str) -> list[Layer]:
         """The family's LoRA layers (sorted paths) with their widths."""
-        initial = self.initial[family]
-        return [
-            Layer(path, int(initial[a].shape[1]), int(initial[b].shape[0]))
-            for path, (a, b) in lora_ranks.layers(initial).items()
-        ]
-
-    def _check_budget(self, family: str, budget: float | None) -> None:
-        if budget is not None:
-            allocate_ranks(self.layers(family), [0.0] * len(self.layers(family)), budget, self.cfg.ranks)
+        return lora_layers(self.initial[family])
 
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
         """A valid fingerprint, and a memory budget that fits the smallest rank on every layer of its model."""
         report = super().read_report(arrays, metrics)
         family = family_key(str(metrics.get("model", "")))
         if report.memory_mb is not None and family in self.initial:
-            self._check_budget(family, report.memory_mb)
+            check_budget(self.layers(family), report.memory_mb, self.cfg.ranks)
         return report
 
-    def _cluster(self, family: str) -> Clustering:
-        members = self.members[family]
-        points = self.reduced[family].points if family in self.reduced else np.zeros((len(members), 1))
-        if self.cfg.clustering == "oracle":
-            return oracle_clusters(points, [self.reports[p].tasks for p in members])
-        if self.cfg.k:
-            return fixed_clusters(points, self.cfg.k, self.seed)
-        return choose_clusters(points, self.cfg.k_max, self.seed, self.cfg.min_cluster_size)
+    def _points(self, family: str) -> np.ndarray:
+        """The family's PCA-reduced fingerprints (one zero per member while there is no PCA: fewer than 2)."""
+        return self.reduced[family].points if family in self.reduced else np.zeros((len(self.members[family]), 1))
 
     def regroup(self, server_round: int, families: list[str]) -> None:
         for family in families:
             members = self.members[family]
             if not members:
                 continue
-            clustering = self._cluster(family)
-            groups, merges = clustering.labels, list[str]()
-            if self.secure:
-                groups, merges = merge_small_clusters(clustering.labels, clustering.centroids, self.cfg.min_group_size)
-            self.clusterings[family], self.group_labels[family], self.merges[family] = clustering, groups, merges
-            self.clustered_round[family] = server_round
             tasks = [self.reports[p].tasks for p in members]
-            cluster_purity, group_purity = purity(clustering.labels.tolist(), tasks), purity(groups.tolist(), tasks)
-            log.info(
-                "round %d: atlas clusters of %s: k=%d (scores %s), clusters %s, purity %.2f; groups %s, purity %.2f",
-                server_round,
-                family,
-                clustering.k,
-                {k: round(v, 3) for k, v in clustering.scores.items()},
-                dict(zip(members, clustering.labels.tolist())),
-                cluster_purity,
-                dict(zip(members, groups.tolist())),
-                group_purity,
-            )
-            for line in merges:
-                log.info("round %d: %s: %s (SecAgg+ needs %d)", server_round, family, line, self.cfg.min_group_size)
-            self._allocate(server_round, family, clustering.labels)
+            grouping = group_clients(self._points(family), self.cfg, self.seed, tasks, self.secure, server_round)
+            self.groupings[family] = grouping
+            labels = grouping.clustering.labels
+            cluster_purity, group_purity = purity(labels.tolist(), tasks), purity(grouping.groups.tolist(), tasks)
+            _log_grouping(server_round, family, members, grouping, (cluster_purity, group_purity), self.cfg)
+            self._allocate(server_round, family, labels)
             if self.eta:
-                points = self.reduced[family].points if family in self.reduced else np.zeros((len(members), 1))
-                alpha = self.alpha[family] = self.cfg.alpha_for(median_alpha(points))
-                self.raw[family] = rbf_adjacency(points, alpha)
-                self.adjacency[family] = normalised_adjacency(points, alpha, clustering.labels.tolist())
+                points = self._points(family)
+                alpha = self.cfg.alpha_for(median_alpha(points))
+                self.neighbourhoods[family] = neighbourhood(points, alpha, labels.tolist())
             if cluster_purity < LOW_PURITY:
                 log.warning(
                     "round %d: low cluster-task purity %.2f (< %.1f) in %s",
@@ -183,45 +141,22 @@ class Atlas(FingerprintStrategy):
                 )
 
     def _allocate(self, server_round: int, family: str, labels: np.ndarray) -> None:
-        """Ranks for every member with a budget: greedy by its layer importances within budget x its cluster's
-        complexity scale (seed 003: more heterogeneous, harder clusters get more capacity)."""
-        members = self.members[family]
-        layers = self.layers(family)
-        points = np.stack([self.reports[p].fingerprint for p in members])
-        scales = complexity_scale(points, labels)
-        for partition, label in zip(members, labels.tolist()):
-            report = self.reports[partition]
-            if report.memory_mb is None:
-                self.ranks_of.pop(partition, None)
-                continue
-            importance = dict(zip(report.layer_names, report.importance.tolist()))
-            scale = scales[int(label)]
-            budget = max(report.memory_mb * scale, adapter_mb(layers, [min(self.cfg.ranks)] * len(layers)))
-            ranks = allocate_ranks(
-                layers, [importance.get(layer.name, 0.0) for layer in layers], budget, self.cfg.ranks
-            )
-            self.ranks_of[partition] = {layer.name: r for layer, r in zip(layers, ranks)}
-            self.scale_of[partition] = scale
-            log.info(
-                "round %d: partition %d ranks %d..%d (mean %.1f), adapter %.2f MB of %.2f MB (scale %.2f)",
-                server_round,
-                partition,
-                min(ranks),
-                max(ranks),
-                float(np.mean(ranks)),
-                adapter_mb(layers, ranks),
-                report.memory_mb,
-                scale,
-            )
-
-    @property
-    def ranked(self) -> bool:
-        """Whether any client has its own ranks (then every instruction says each member's and its group's)."""
-        return bool(self.ranks_of)
+        """Ranks for every member with a budget (``RankPlan.allocate``), logged."""
+        members, layers = self.members[family], self.layers(family)
+        reports = [self.reports[p] for p in members]
+        given = self.plan.allocate(
+            layers,
+            members,
+            np.stack([r.fingerprint for r in reports]),
+            labels,
+            [dict(zip(r.layer_names, r.importance.tolist())) for r in reports],
+            [r.memory_mb for r in reports],
+        )
+        for partition, plan in given:
+            _log_ranks(server_round, partition, layers, plan, self.reports[partition].memory_mb)
 
     def _own(self, partition: int) -> dict[str, int]:
-        initial = self.initial[self.family_of_partition[partition]]
-        return self.ranks_of.get(partition) or lora_ranks.ranks(initial)
+        return self.plan.own(partition, self.initial[self.family_of_partition[partition]])
 
     def _wire(self, partition: int) -> dict[str, int]:
         """The ranks ``partition``'s arrays travel at: its group's largest per layer (alone: its own and its
@@ -229,38 +164,28 @@ class Atlas(FingerprintStrategy):
         placed = next((ps for _, ps in self._groups() if partition in ps), None)
         parts = placed or [partition]
         sizes = [self._own(p) for p in parts] + ([] if placed else [lora_ranks.ranks(self._adapter(partition))])
-        return {path: max(s[path] for s in sizes) for path in sizes[0]}
+        return wire_ranks(sizes)
 
     def _outgoing(self, partition: int) -> Arrays:
         """What ``partition`` is sent: its adapter at the wire ranks (fresh slots seeded alike for every client),
         with its slot masks; without ranks, its adapter as it is."""
         adapter = self._adapter(partition)
-        if not self.ranked:
+        if not self.plan.active:
             return adapter
-        wire = self._wire(partition)
-        resized = lora_ranks.seeded_slots(lora_ranks.resize(adapter, wire), lora_ranks.ranks(adapter), self.seed)
-        return {**resized, **lora_ranks.masks(self._own(partition), wire)}
+        return padded(adapter, self._own(partition), self._wire(partition), self.seed)
 
     def _rank_config(self, partition: int) -> dict[str, Any]:
-        if not self.ranked:
+        if not self.plan.active:
             return {}
         return {OWN_RANKS: encode_ranks(self._own(partition)), WIRE_RANKS: encode_ranks(self._wire(partition))}
 
-    def _groups(self) -> list[tuple[str, list[int]]]:
+    def _groups(self) -> list[Unit]:
         """(name, partitions) of every group: ``<family>-c<label>``."""
-        out = []
-        for family, labels in sorted(self.group_labels.items()):
-            members = self.members[family]
-            for label in sorted(set(labels.tolist())):
-                out.append((f"{family}-c{label}", [p for p, g in zip(members, labels.tolist()) if g == label]))
-        return out
+        return named_groups({family: g.groups for family, g in self.groupings.items()}, self.members)
 
-    def _units(self) -> list[tuple[str, list[int]]]:
-        """(name, partitions) of what trains as one group: the groups, or with a Laplacian step in plaintext every
-        client alone (``p<partition>``), so that the server has every W_l for the exact neighbour terms."""
-        if self.eta and not self.secure:
-            return [(f"p{p}", [p]) for _, partitions in self._groups() for p in partitions]
-        return self._groups()
+    def _units(self) -> list[Unit]:
+        """(name, partitions) of what trains as one group (``neighbours.training_units``)."""
+        return training_units(self._groups(), bool(self.eta), self.secure)
 
     def _config(self, partition: int) -> dict[str, Any]:
         config = self._rank_config(partition)
@@ -275,7 +200,7 @@ class Atlas(FingerprintStrategy):
             start = {node_of[p]: self._outgoing(p) for p in partitions if p in node_of}
             if start:
                 configs = {node_of[p]: self._config(p) for p in partitions if p in node_of}
-                self._slot_fallback[name] = lora_ranks.without_masks(next(iter(start.values())))
+                self.plan.start(name, next(iter(start.values())))
                 groups.append(Group(name, start, member_configs=configs))
         placed = {p for _, partitions in self._groups() for p in partitions}
         unplaced = sorted(set(node_of) - placed)
@@ -291,7 +216,7 @@ class Atlas(FingerprintStrategy):
     def check_sum(self, result: GroupResult) -> str | None:
         """With per-client ranks, the group's mean rank masks must be ones its members can send
         (``ranks.mask_problem``): ``slot_mean`` divides by them."""
-        if result.mean is None or not self.ranked:
+        if result.mean is None or not self.plan.active:
             return None
         weights = [float(result.metrics.get(n, {}).get("num_examples", 0)) for n in result.contributors]
         problem = mask_problem(result.mean, weights)
@@ -305,33 +230,16 @@ class Atlas(FingerprintStrategy):
         for name, partitions in self._groups():
             if name in by_name:
                 for p in partitions:
-                    self.adapter_of[p] = self._finish(by_name[name], name)
-
-    def _finish(self, mean: Arrays, unit: str) -> Arrays:
-        return slot_mean(mean, self._slot_fallback.get(unit)) if self.ranked else mean
+                    self.adapter_of[p] = self.plan.finish(by_name[name], name)
 
     def _neighbour_terms(self, means: dict[str, Arrays]) -> None:
-        """N_k = sum_l a_kl W_l over k's cluster, mixed from the means of the units inside k's group (one shape:
-        the group's wire ranks; exact when every client is its own unit); a client none of whose neighbours
-        trained gets its own unit's mean (no pull)."""
+        """Every grouped client's adapter: its neighbour term over its cluster (``neighbours.neighbour_terms``)."""
         units = self._units()
         for _, partitions in self._groups():
             family = self.family_of_partition[partitions[0]]
-            rows = [self.members[family].index(p) for p in partitions]
-            local = {p: i for i, p in enumerate(partitions)}
-            inside = [(name, ps) for name, ps in units if ps[0] in local]
-            mixed = mix_group_means(
-                self.adjacency[family][np.ix_(rows, rows)],
-                [[local[p] for p in ps] for _, ps in inside],
-                [means.get(name) for name, _ in inside],
-            )
-            for unit, ps in inside:
-                for p in ps:
-                    term: Arrays | None = mixed[local[p]]
-                    if not set(self.initial[family]) <= set(term or {}):
-                        term = means.get(unit)
-                    if term is not None:
-                        self.adapter_of[p] = self._finish(term, unit)
+            adjacency, members = self.neighbourhoods[family].adjacency, self.members[family]
+            for p, unit, term in neighbour_terms(adjacency, members, partitions, units, means, self.initial[family]):
+                self.adapter_of[p] = self.plan.finish(term, unit)
 
     def eval_arrays(self, node_id: int) -> Arrays:
         return self._outgoing(self.partition_of[node_id])
@@ -342,38 +250,13 @@ class Atlas(FingerprintStrategy):
     def report(self) -> dict[str, Any]:
         out = self.family_report()
         for family, row in out.items():
-            clustering = self.clusterings.get(family)
-            if clustering is None:
+            if family not in self.groupings:
                 continue
-            groups = self.group_labels[family]
-            row.update(
-                {
-                    "k": clustering.k,
-                    "clusters": clustering.labels.tolist(),
-                    "groups": groups.tolist(),
-                    "silhouette": clustering.silhouette,
-                    "davies_bouldin": clustering.davies_bouldin,
-                    "calinski_harabasz": clustering.calinski_harabasz,
-                    "k_scores": {str(k): v for k, v in clustering.scores.items()},
-                    "purity": purity(clustering.labels.tolist(), row["tasks"]),
-                    "group_purity": purity(groups.tolist(), row["tasks"]),
-                    "merges": self.merges.get(family, []),
-                    "clustered_round": self.clustered_round.get(family),
-                }
-            )
-            if family in self.adjacency:
-                row["laplacian_eta"] = self.eta
-                row["alpha"] = self.alpha[family]
-                row["adjacency_raw"] = self.raw[family].round(6).tolist()
-                row["adjacency"] = self.adjacency[family].round(6).tolist()
-            layers = self.layers(family)
-            ranked = [p for p in row["partitions"] if p in self.ranks_of]
-            if ranked:
-                row["layers"] = [layer.name for layer in layers]
-                row["ranks"] = {str(p): [self.ranks_of[p][layer.name] for layer in layers] for p in ranked}
-                row["adapter_mb"] = {str(p): adapter_mb(layers, row["ranks"][str(p)]) for p in ranked}
-                row["budget_mb"] = {str(p): self.reports[p].memory_mb for p in ranked}
-                row["budget_scale"] = {str(p): self.scale_of[p] for p in ranked}
+            row.update(clustering_row(self.groupings[family], row["tasks"]))
+            if family in self.neighbourhoods:
+                row.update(self.neighbourhoods[family].row(self.eta))
+            budgets = {p: self.reports[p].memory_mb for p in row["partitions"] if p in self.plan.ranks_of}
+            row.update(self.plan.rows(self.layers(family), row["partitions"], budgets))
         return {"atlas": out}
 
     def plot_round(self, server_round: int, aggregate_row: dict[str, Any], run_dir: Path) -> list[Path]:
@@ -404,3 +287,43 @@ class Atlas(FingerprintStrategy):
             FinalAdapter(name, self.model_of_family[name.rsplit("-c", 1)[0]], self._adapter(partitions[0]))
             for name, partitions in self._groups()
         ]
+
+
+def _log_grouping(
+    server_round: int,
+    family: str,
+    members: list[int],
+    grouping: Grouping,
+    purities: tuple[float, float],
+    cfg: AtlasSection,
+) -> None:
+    """Log a family's new clusters (k, scores, each member's cluster and group, their purities) and its merges."""
+    clustering = grouping.clustering
+    log.info(
+        "round %d: atlas clusters of %s: k=%d (scores %s), clusters %s, purity %.2f; groups %s, purity %.2f",
+        server_round,
+        family,
+        clustering.k,
+        {k: round(v, 3) for k, v in clustering.scores.items()},
+        dict(zip(members, clustering.labels.tolist())),
+        purities[0],
+        dict(zip(members, grouping.groups.tolist())),
+        purities[1],
+    )
+    for line in grouping.merges:
+        log.info("round %d: %s: %s (SecAgg+ needs %d)", server_round, family, line, cfg.min_group_size)
+
+
+def _log_ranks(server_round: int, partition: int, layers: list[Layer], plan: MemberRanks, budget: float | None) -> None:
+    """Log one client's new ranks: their range and mean, and its adapter's size against its budget."""
+    log.info(
+        "round %d: partition %d ranks %d..%d (mean %.1f), adapter %.2f MB of %.2f MB (scale %.2f)",
+        server_round,
+        partition,
+        min(plan.ranks),
+        max(plan.ranks),
+        float(np.mean(plan.ranks)),
+        adapter_mb(layers, plan.ranks),
+        budget,
+        plan.scale,
+    )

@@ -25,6 +25,7 @@ log = get_logger("tessera.server")
 
 MAX_FINGERPRINT_SIZE = 1 << 16
 MAX_FINGERPRINT_ABS = 1e6
+MEMORY_MB = "memory_mb"  # report metric: the client's memory budget for its adapter (ATLAS's client sends one)
 
 
 @dataclass
@@ -50,7 +51,7 @@ def read_fingerprint(arrays: Arrays, metrics: dict[str, Any]) -> FingerprintRepo
         raise ValueError(f"layer_importance must give one number for each of the {len(names)} layer_names")
     if not np.all(np.isfinite(importance)) or np.any(importance < 0):
         raise ValueError("layer_importance must be finite and non-negative")
-    budget = metrics.get("memory_mb")
+    budget = metrics.get(MEMORY_MB)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
         raise ValueError(f"memory_mb must be a positive number, got {budget!r}")
     memory = None if budget is None else float(budget)
