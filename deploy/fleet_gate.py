@@ -1,6 +1,6 @@
 """The SuperLink's public face: a TLS proxy that passes the Fleet API and nothing else.
 
-Flower 1.41's SuperLink serves the Fleet API (SuperNodes), the Control API (``flwr run``, ``flwr stop``, ...) and
+Flower 1.41-1.42's SuperLink serves the Fleet API (SuperNodes), the Control API (``flwr run``, ``flwr stop``, ...) and
 the Runtime API (the ServerApp) on ONE HTTPS port, and open-source Flower has no user authentication on Control:
 anyone who reaches that port and trusts its certificate can start a run, i.e. have every SuperNode install and
 execute the app they send. SuperNode authentication does not help (it authenticates nodes on Fleet, not users on

@@ -54,7 +54,7 @@ from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, G
 log = get_logger("tessera.server")
 
 
-# Flower 1.41's simulation engine (its in-memory link state) looks for each node's next message by scanning every
+# Flower 1.41-1.42's simulation engine (its in-memory link state) looks for each node's next message by scanning every
 # stored message, for every node, every 0.1 s: 1,000 clients with 1,000 messages in flight is a million checks per
 # sweep under the state's lock (with 1,000 clients, start to round 1 took 704 s at once, 351 s with the window:
 # docs/scale.md). A window of this many messages in flight keeps the scan small and every Ray actor busy.

@@ -117,7 +117,7 @@ def test_run_survives_a_killed_supernode_and_resumes_after_a_superlink_restart(f
 
     # 2. Kill the SuperLink mid-run (round 2 has begun); restart it on the same state database, and node 2 with it.
     # Killed once nodes 0 and 1 hold round 2's train message whole: a node still fetching a message's objects when
-    # its SuperLink dies, and refused them once the run is over, is left a reply behind by Flower 1.41 (see
+    # its SuperLink dies, and refused them once the run is over, is left a reply behind by Flower 1.41-1.42 (see
     # docs/deployment.md, "When the SuperLink dies"), and no server can then reach it.
     wait_for(lambda: all(received_train(fed, p, ROUNDS) for p in (0, 1)), "round 2 received", logs=fed.work)
     fed.stop(fed.superlink, signal.SIGKILL)
