@@ -2,13 +2,13 @@
 they catch a strategy that imports a sibling and a ``common`` module that imports a strategy; and no package of
 ``strategies/`` is left out of the contracts that list them by hand."""
 
+import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "strategies", "client_app", "server_app", "bench", "deploy")
@@ -64,30 +64,26 @@ def test_a_forbidden_import_breaks_a_contract(tree_copy, module, line, broken):
 
 
 def contract_gaps(root: Path) -> list[str]:
-    """What the contracts in ``root``'s pyproject.toml miss of ``root/strategies``: the contracts list the strategy
-    packages by hand, so a package missing from them could import a sibling and still pass lint. Every module of
-    ``strategies/`` (a package: a directory with an ``__init__.py``; or a ``.py`` file) but the registry and
-    ``__init__`` is either a shared module (a source of the contract that forbids the strategy packages) or a
-    strategy package, which must be in the independence contract and among that contract's forbidden modules."""
-    contracts = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    independent = {m for c in contracts if c["type"] == "independence" for m in c["modules"]}
-    shared_contracts = [
-        c
-        for c in contracts
-        if c["type"] == "forbidden" and any(m.startswith("strategies.") for m in c["source_modules"])
-    ]
-    shared = {m for c in shared_contracts for m in c["source_modules"]}
-    forbidden_to_shared = {m for c in shared_contracts for m in c["forbidden_modules"]}
-    folder = root / "strategies"
-    modules = {f"strategies.{p.parent.name}" for p in folder.glob("*/__init__.py")}
-    modules |= {f"strategies.{p.stem}" for p in folder.glob("*.py") if p.stem not in ("__init__", "registry")}
-    gaps = []
-    for module in sorted(modules - shared):
-        if module not in independent:
-            gaps.append(f"{module}: not in the independence contract")
-        if module not in forbidden_to_shared:
-            gaps.append(f"{module}: not among the modules the shared modules may not import")
-    return gaps
+    """``scripts/contract_gaps.py``'s check (lint runs it) on the tree at ``root``."""
+    spec = importlib.util.spec_from_file_location("contract_gaps", ROOT / "scripts" / "contract_gaps.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.contract_gaps(root)
+
+
+def test_lint_fails_while_a_strategy_package_is_not_in_the_contracts(tmp_path):
+    """The same check as a step of scripts/lint.sh: a new package that imports a sibling fails lint."""
+    shutil.copytree(ROOT / "strategies", tmp_path / "strategies", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "contract_gaps.py", tmp_path / "scripts" / "contract_gaps.py")
+    script = [sys.executable, str(tmp_path / "scripts" / "contract_gaps.py")]
+    assert subprocess.run(script, capture_output=True, text=True, timeout=60).returncode == 0
+    (tmp_path / "strategies" / "newcomer").mkdir()
+    (tmp_path / "strategies" / "newcomer" / "__init__.py").write_text("from ..mira import config\n")
+    result = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "strategies.newcomer: not in the independence contract" in result.stderr
 
 
 def test_every_strategy_package_is_in_the_contracts():
