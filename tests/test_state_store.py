@@ -102,3 +102,25 @@ def test_a_message_validates_its_run_config_once(tmp_path, monkeypatch):
     assert runtime.run_config(other).strategy == "fedavg" and len(validated) == 2  # another config: validated
     runtime.begin_message(0.0)
     assert runtime.declared_state_keys(ctx) == keys and len(validated) == 3  # the next message validates afresh
+
+
+def test_the_identity_pairs_each_key_with_its_value():
+    """``ClientRuntime.identity`` pairs values with ``common.records.IDENTITY_KEYS`` by position: each key must still
+    carry its own value if that tuple is ever reordered."""
+    from types import SimpleNamespace
+
+    from client_app.runtime import ClientRuntime
+    from common.records import IDENTITY_KEYS
+
+    fake = SimpleNamespace(
+        partition_id=7,
+        data=SimpleNamespace(tasks="boolq", counts={"data-train": 3}),
+        model_name="smollm2-135m-instruct",
+        state=SimpleNamespace(nbytes=lambda: 42),
+    )
+    identity = ClientRuntime.identity(fake)  # type: ignore[arg-type]
+    assert set(identity) == {*IDENTITY_KEYS, "data-train"}
+    assert identity["partition-id"] == 7 and identity["tasks"] == "boolq" and identity["data-train"] == 3
+    assert identity["model"] == "smollm2-135m-instruct" and identity["state-bytes"] == 42
+    assert identity["pid"] == os.getpid() and identity["peak-rss-mb"] > 0 and identity["state-restored"] == ""
+    assert isinstance(identity["model-loads"], int) and isinstance(identity["startup-seconds"], float)
