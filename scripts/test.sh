@@ -5,7 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/machine_info.sh versions
-bash scripts/lint.sh
 # The chaos test on a real network (tests/test_e2e_network.py) needs iproute2 and iptables (Debian's packages); as
 # root, install what is missing. Without them it skips, and -rs prints why.
 if [ "$(id -u)" = 0 ] && ! { command -v iptables && command -v ip && command -v tc; } >/dev/null; then
@@ -33,11 +32,23 @@ stop_dockerd() {
   exit "$rc"
 }
 trap stop_dockerd EXIT
+# The demo's image (its base made from the Debian mirror, then pip's packages) is built now, beside lint and the unit
+# tests: mostly downloads, which would otherwise stand alone in the e2e phase. The Docker test builds what this did
+# not (a failure here shows up there) and reuses what it did; the e2e phase starts once it has ended.
+IMAGE_BUILD_PID=""
+if docker info >/dev/null 2>&1; then
+  bash deploy/docker/demo.sh --build-only --out /tmp/tessera-image-build > /tmp/tessera-image-build.log 2>&1 &
+  IMAGE_BUILD_PID=$!
+fi
+bash scripts/lint.sh
 # The unit tests (tiny models, in-process) on every core; then the end-to-end runs one at a time: each starts its own
 # processes on all the cores (SuperLink, SuperNodes, Ray) and waits on timeouts sized for a machine of its own.
 workers=$(python3 -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
 # Both phases run whatever the first gives; the script fails if either did.
 rc=0
 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 -n "$workers" -m "not e2e" "$@" tests || rc=$?
+if [ -n "$IMAGE_BUILD_PID" ]; then
+  wait "$IMAGE_BUILD_PID" || echo "[test] building the demo's image beforehand failed: $(tail -3 /tmp/tessera-image-build.log)"
+fi
 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=0 -m e2e "$@" tests || rc=$?
 exit "$rc"

@@ -134,7 +134,9 @@ def test_fedavg_secure_matches_plain(plain_run, flwr_home, tmp_path):
 def test_sublora_fedavg_through_secagg_sends_d_numbers_and_every_client_learns(flwr_home, tmp_path):
     """Issue 34's end-to-end run: SubLoRA clients (d = 1,000) averaged by FedAvg through SecAgg+ on the real model."""
     run_dir = tmp_path / "sublora"
-    overrides = "fedavg.adapter='sublora' sublora.intrinsic-dim=1000 secure=true min-train-replies=3"
+    # the bound on 8 training examples per client (two forward passes each at the last round; 64 by default)
+    overrides = "fedavg.adapter='sublora' sublora.intrinsic-dim=1000 sublora.bound-examples=8 secure=true "
+    overrides += "min-train-replies=3"
     proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=1 {overrides} run-dir='{run_dir}'")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "SecAgg+" in proc.stdout + proc.stderr

@@ -3,6 +3,7 @@
 # the node keys, start 3 SuperNodes, run a FedAvg `secure=true` (SecAgg+) federation on the real 4-bit model,
 # copy the run directory out, print each node's held-out loss and where the metrics and plots are, and `down`.
 #   bash deploy/docker/demo.sh [--rounds N] [--keep] [--gpu] [--out DIR] [--run-config "key=value ..."]
+#     --build-only     build the image (and its base) and stop: no federation (CI builds it beside the unit tests)
 #     --rounds N       server rounds (default 2)
 #     --keep           leave the federation up afterwards (stop it with --down)
 #     --gpu            add deploy/docker-compose.gpu.yml (CUDA SuperNodes; NVIDIA hosts only)
@@ -20,17 +21,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-ROUNDS=2 KEEP=0 GPU=0 OUT="" EXTRA="" DOWN=""
+ROUNDS=2 KEEP=0 GPU=0 OUT="" EXTRA="" DOWN="" BUILD_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) ROUNDS=$2; shift 2 ;;
     --keep) KEEP=1; shift ;;
     --gpu) GPU=1; shift ;;
+    --build-only) BUILD_ONLY=1; shift ;;
     --out) OUT=$2; shift 2 ;;
     --run-config) EXTRA=$2; shift 2 ;;
     --down) DOWN=(down --remove-orphans); shift ;;
     --purge) DOWN=(down --remove-orphans -v); shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "[demo] unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -116,6 +118,7 @@ BUILD_SERVICES=(superlink)
 compose build "${BUILD_SERVICES[@]}" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 say "image ${TESSERA_IMAGE:-tessera:cpu} ready in $(( $(date +%s) - B0 )) s ($(docker image inspect \
   -f '{{.Size}}' "${TESSERA_IMAGE:-tessera:cpu}" | awk '{printf "%.2f GB", $1 / 1e9}'))"
+if [ "$BUILD_ONLY" = 1 ]; then exit 0; fi
 
 # 2. Certificates (kept when present: registered keys stay valid) for every name the SuperLink is reached by;
 # the private keys are handed to the containers' user (uid 49999), the public halves stay readable here.
