@@ -25,6 +25,7 @@ from common.config import TrainSection
 from common.evaluation import answer_loss, evaluate
 from common.guard import GUARD_STATE_KEY, as_train, choose, snapshot, trained_names
 from common.logs import get_logger
+from common.privacy import DP_CLIP_NORM, DP_NOISE_STD, with_noise
 from common.records import (
     ARRAYS,
     CONFIG,
@@ -131,13 +132,18 @@ def train(msg: Message, context: Context) -> Message:
     # how far the update moved from what was sent (L2): the train row's update_norm (plain mode: the server
     # measures it itself), from which an operator can choose robust.max-update-norm
     metrics["update_norm"] = update_norm(updated, sent)
+    if SECAGG_CLIP_NORM in config:  # the server cannot clip what it cannot see, and refuses a mean beyond it
+        updated, clipped = clip_update(updated, sent, float(config[SECAGG_CLIP_NORM]))
+        metrics["secagg_norm_clipped"] = int(clipped)
+    if DP_CLIP_NORM in config:  # differential privacy (common.privacy): the update clipped, then (distributed) noised
+        updated, clipped = clip_update(updated, sent, float(config[DP_CLIP_NORM]))
+        metrics["dp_clipped"] = int(clipped)
+        if DP_NOISE_STD in config:  # this member's share of the noise, added before SecAgg+ masks it
+            updated = with_noise(updated, float(config[DP_NOISE_STD]))
     if SECAGG_CLIP in config:  # secure mode: how many values SecAgg+ will clamp to its range after weighting
         # Flower's SecAgg+ only warns when a weight exceeds its max_weight (the quantised sum can then wrap), and
         # the server refuses a group whose reported weight is over it: an honest member caps its own.
         weight = min(weight, int(float(config[SECAGG_MAX_WEIGHT])))
-        if SECAGG_CLIP_NORM in config:  # the server cannot clip what it cannot see, and refuses a mean beyond it
-            updated, clipped = clip_update(updated, sent, float(config[SECAGG_CLIP_NORM]))
-            metrics["secagg_norm_clipped"] = int(clipped)
         metrics["secagg_clipped"] = secagg_clipped(updated, weight, config)
     if "audit-dir" in context.node_config:
         keep_audit_copy(Path(str(context.node_config["audit-dir"])), server_round, rt.partition_id, updated, weight)

@@ -17,6 +17,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from common.core_sections import (
     DataSection,
+    DPSection,
     EvalSection,
     GuardSection,
     ModelSection,
@@ -29,6 +30,7 @@ from common.section import ConfigError, Section, SectionT, join_value
 __all__ = [  # the config's vocabulary, importable from here as before the split into common.section / core_sections
     "ConfigError",
     "DataSection",
+    "DPSection",
     "EvalSection",
     "GuardSection",
     "ModelSection",
@@ -108,6 +110,7 @@ class RunConfig(Section):
     secagg: SecAggSection = Field(default_factory=SecAggSection)
     robust: RobustSection = Field(default_factory=RobustSection)
     guard: GuardSection = Field(default_factory=GuardSection)
+    dp: DPSection = Field(default_factory=DPSection)
     _sections: dict[str, Section] = PrivateAttr(default_factory=dict)
     _plan: Plan | None = PrivateAttr(None)
 
@@ -121,7 +124,31 @@ class RunConfig(Section):
         if self.guard.enabled and self.data.eval_split == "validation":
             # it would choose on the very examples it reports: a flattering number, not a measurement
             raise ValueError("guard.enabled: not with data.eval-split = 'validation' (it chooses on that split)")
+        self._check_dp()
         return self
+
+    def _check_dp(self) -> None:
+        """The privacy settings against the rest of the run: the mode against ``secure``, and a target the planned
+        rounds can meet (``common.privacy``)."""
+        if self.dp.enabled and self.dp.target_epsilon == 0 and self.dp.noise_multiplier == 0:
+            raise ValueError("dp.target-epsilon: set it (or dp.noise-multiplier) when dp.mode is not 'off'")
+        if self.dp.mode == "distributed" and not self.secure:
+            raise ValueError(
+                "dp.mode: 'distributed' adds the noise before SecAgg+ masks; it needs secure=true "
+                "(in plain mode, 'central')"
+            )
+        if self.dp.mode == "central" and self.secure:
+            raise ValueError(
+                "dp.mode: 'central' has the server add the noise to sums it sees; with secure=true "
+                "the members add it ('distributed')"
+            )
+        if self.dp.enabled and self.dp.target_epsilon > 0 and self.dp.noise_multiplier == 0:
+            from common.privacy import noise_for_target
+
+            try:
+                noise_for_target(self.dp.target_epsilon, self.dp.delta, self.num_server_rounds)
+            except ValueError as err:
+                raise ValueError(f"dp.target-epsilon: {err}") from None
 
     def section(self, kind: type[SectionT]) -> SectionT:
         """This run's values of an adapter's or strategy's section (its defaults when the run sets none)."""

@@ -275,3 +275,27 @@ class RobustSection(Section):
     # groups are split meanwhile to tell it apart: server_app.offenders); 0: never
     exclude_after: int = Field(3, ge=0)
     bind_partitions: bool = False
+
+
+class DPSection(Section):
+    """Member-level differential privacy of the group sums (``common.privacy``; docs/privacy.md).
+
+    mode: ``off``; ``central`` (plain mode: the server adds the noise to each group's sum); ``distributed``
+        (``secure = true``: each member adds its share of the noise before SecAgg+ masks its update).
+    clip_norm: C, the L2 norm each member's update (what it sends minus what it was sent) is clipped to.
+    target_epsilon: the epsilon the run may spend at ``delta``. Without ``noise_multiplier`` the noise is chosen so
+        that ``num-server-rounds`` rounds spend it; with one, the run stops before a round that would exceed it.
+        0: no target (``noise_multiplier`` then says how much noise, and the metrics what it spent).
+    noise_multiplier: z: a released sum carries N(0, (z C)^2) per coordinate (0: chosen from ``target_epsilon``).
+    delta: the delta every epsilon is stated at.
+    """
+
+    mode: Literal["off", "central", "distributed"] = "off"
+    clip_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    target_epsilon: float = Field(0.0, ge=0, allow_inf_nan=False)
+    noise_multiplier: float = Field(0.0, ge=0, le=1e4, allow_inf_nan=False)
+    delta: float = Field(1e-5, gt=0, lt=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"

@@ -28,6 +28,7 @@ from common.reply_checks import chosen_max_update_norm
 from strategies import Strategy, load_run_config, strategy_spec
 from strategies.base import Arrays, ClientInfo, GroupResult
 
+from . import privacy
 from .admission import Admission, initialise_strategy, log_left_out, slim
 from .evaluation import evaluate_round
 from .offenders import Offenders
@@ -51,6 +52,8 @@ class Federation:
         admission: what the first admission agreed on (each model's start, who holds each partition).
         offenders: who is behind refused secure aggregates; norm_medians: each round's median accepted update norm
             (what ``robust.auto-norm-multiple`` chooses the bound from).
+        dp_noise: the noise multiplier of every round run so far (``dp.*``: what the accountant composes; kept in
+            the checkpoint).
     """
 
     cfg: RunConfig
@@ -62,6 +65,7 @@ class Federation:
     admission: Admission
     offenders: Offenders
     norm_medians: list[float] = field(default_factory=list)
+    dp_noise: list[float] = field(default_factory=list)
 
 
 @app.main()
@@ -74,6 +78,10 @@ def run_federation(grid: Grid, context: Context) -> RunDirectory:
     fed, checkpoint = start_federation(grid, context)
     first_round = resume_federation(fed, checkpoint) if checkpoint is not None else round_zero(grid, fed)
     for server_round in range(first_round, fed.cfg.num_server_rounds + 1):
+        if why := privacy.stop_reason(fed.cfg, fed.dp_noise, server_round):
+            log.warning("%s", why)
+            print(f"[tessera] {why}", flush=True)
+            break
         run_round(grid, context, fed, server_round)
     finish_federation(fed)
     return fed.run
@@ -143,6 +151,7 @@ def resume_federation(fed: Federation, checkpoint: tuple[dict, dict[str, Arrays]
     fed.strategy.load_state_dict(state)
     fed.run.truncate_metrics_after(meta["round"])
     fed.norm_medians = [r["update_norm_median"] for r in fed.run.read_metrics() if _median_row(r)]
+    fed.dp_noise = [float(z) for z in meta.get("dp-noise", [])]
     log.info("resuming after round %d from %s", meta["round"], fed.run.checkpoint_dir)
     return meta["round"] + 1
 
@@ -175,13 +184,15 @@ def run_round(grid: Grid, context: Context, fed: Federation, server_round: int) 
     bound = chosen_max_update_norm(fed.norm_medians, cfg.robust.auto_norm_multiple, cfg.robust.max_update_norm)
     limits = reply_limits(cfg, bound)
     parts, results = train_round(grid, context, cfg, strategy, server_round, sampled, fed.offenders, limits)
+    if cfg.dp.enabled:  # the round's sums were released with this much noise
+        fed.dp_noise.append(privacy.noise_multiplier(cfg))
     results = _without_means_below_quorum(cfg, server_round, results)
     aggregate_started = time.perf_counter()
     strategy.update(server_round, results)
     rows = _round_rows(fed, parts, time.perf_counter() - aggregate_started, bound, report_rows, sampled)
     evaluate_round(grid, cfg, strategy, fed.run, server_round, evaluated, rows, started, _partitions(fed.clients))
     strategy.plot_round(server_round, rows[None], fed.run.path)
-    _checkpoint(fed.run, server_round, strategy, _checkpoint_meta(cfg, fed.node_ids, fed.admission))
+    _checkpoint(fed.run, server_round, strategy, _checkpoint_meta(cfg, fed.node_ids, fed.admission, fed.dp_noise))
 
 
 def _without_means_below_quorum(cfg: RunConfig, server_round: int, results: list[GroupResult]) -> list[GroupResult]:
@@ -220,12 +231,22 @@ def _round_rows(
     for nid, extra_row in report_rows.items():
         rows.setdefault(nid, {"bytes_up": 0, "bytes_down": 0}).update(extra_row)
     rows[None].update(fed.strategy.report(), sampled=sampled)
+    rows[None].update(privacy.round_row(fed.cfg, fed.dp_noise))
     return rows
 
 
 def finish_federation(fed: Federation) -> None:
-    """Save the strategy's final adapters, plot the run and say where everything is."""
+    """Save the strategy's final adapters, plot the run and say where everything is (and, with ``dp.*``, what
+    privacy it spent)."""
     adapters = _save_adapters(fed.cfg, fed.strategy, fed.run)
+    if fed.cfg.dp.enabled:
+        spent = privacy.round_row(fed.cfg, fed.dp_noise)
+        line = (
+            f"differential privacy ({fed.cfg.dp.mode}): epsilon {spent['dp_epsilon']:.3f} at delta "
+            f"{fed.cfg.dp.delta:g} over {len(fed.dp_noise)} round(s), clip norm {fed.cfg.dp.clip_norm:g}"
+        )
+        log.info("%s", line)
+        print(f"[tessera] {line}", flush=True)
     plot = fed.run.plot_eval_loss()
     fed.strategy.plot_run(fed.run.read_metrics(), fed.run.path)
     log.info(
@@ -238,11 +259,14 @@ def finish_federation(fed: Federation) -> None:
     )
 
 
-def _checkpoint_meta(cfg: RunConfig, node_ids: list[int], admission: Admission | None = None) -> dict[str, Any]:
-    """Beside the state: the nodes, the settings it was written with (``check_resumable`` compares them) and which
-    node each partition is bound to (``robust.bind-partitions``)."""
+def _checkpoint_meta(
+    cfg: RunConfig, node_ids: list[int], admission: Admission | None = None, dp_noise: list[float] | None = None
+) -> dict[str, Any]:
+    """Beside the state: the nodes, the settings it was written with (``check_resumable`` compares them), which
+    node each partition is bound to (``robust.bind-partitions``) and every round's noise multiplier (``dp.*``)."""
     owners = {str(p): n for p, n in admission.owner.items()} if admission else {}
-    return {"nodes": node_ids, "settings": cfg.to_flat(), **({"partition-owners": owners} if owners else {})}
+    meta = {"nodes": node_ids, "settings": cfg.to_flat(), **({"partition-owners": owners} if owners else {})}
+    return {**meta, "dp-noise": dp_noise} if dp_noise else meta
 
 
 def check_resumable(cfg: RunConfig, strategy: Strategy, meta: dict, state: dict[str, Arrays], where) -> None:

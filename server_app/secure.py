@@ -38,6 +38,7 @@ from common.secure_bounds import (
 from server_app.secure_weights import Unmasked, record_unmasked
 from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, Group, GroupResult
 
+from .privacy import distance_allowance
 from .transport import log, max_weight, member_config
 
 if TYPE_CHECKING:
@@ -182,7 +183,9 @@ def _checked_mean(
     # each contributor's weight ratio exactly as SecAgg+ applied it (checked against the unmasked total above)
     ratios = [round(reported[nid] / cap * cfg.quantization_range) / cfg.quantization_range for nid in reported]
     starts = [group.reply_reference(nid) for nid in reported]
-    problem = distance_problem(arrays, starts, ratios, norm, cfg.clipping_range, cfg.quantization_range)
+    # distributed differential privacy: the members' noise moves the mean too (server_app.privacy)
+    allowance = distance_allowance(group, len(reported), sum(int(np.size(v)) for v in reference.values()))
+    problem = distance_problem(arrays, starts, ratios, norm + allowance, cfg.clipping_range, cfg.quantization_range)
     if problem:
         raise ReplyError(problem)
     return {k: v.astype(np.float32) for k, v in arrays.items()}

@@ -18,6 +18,7 @@ from common.reply_checks import TRAIN_OPTIONAL, ReplyLimits, reply_metric_specs
 from strategies import Strategy, strategy_spec
 from strategies.base import GroupResult
 
+from . import privacy
 from .offenders import Offenders, combine, refuse_unsound_sums
 from .secure import train_groups_secure
 from .transport import train_groups_plain
@@ -40,6 +41,7 @@ def train_round(
     secure = cfg.secure and strategy.aggregates
     planned = strategy.train_groups(server_round, node_ids)
     groups = offenders.split(server_round, planned) if secure else planned
+    privacy.prepare(cfg, groups)  # dp.*: equal weights, the clip norm, distributed noise (else nothing)
     config = _train_config(cfg, server_round)
     for group in groups:
         log.info(
@@ -53,6 +55,7 @@ def train_round(
         results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, limits)
     else:
         results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, limits, strategy.check_sum)
+        privacy.add_central_noise(cfg, results)
     for group, result in zip(groups, results):
         for nid in result.metrics:
             sent, received = num_bytes(group.reply_reference(nid)), num_bytes(group.start[nid])
@@ -78,9 +81,16 @@ def reply_limits(cfg: RunConfig, max_update_norm: float | None = None) -> ReplyL
     return ReplyLimits(
         examples_per_round=examples_per_round(cfg),
         max_update_norm=max_update_norm or cfg.robust.max_update_norm,
-        clip_norm=cfg.robust.clip_norm or None,
+        clip_norm=_clip_norm(cfg),
         optional_metrics={**TRAIN_OPTIONAL, **reply_metric_specs(declared)},
     )
+
+
+def _clip_norm(cfg: RunConfig) -> float | None:
+    """The norm updates are scaled back to (None: none): ``robust.clip-norm``, and ``dp.clip-norm`` when private
+    (in central mode the server clips what it sees, besides the members' own clipping)."""
+    norms = [n for n in (cfg.robust.clip_norm, cfg.dp.clip_norm if cfg.dp.enabled else 0.0) if n > 0]
+    return min(norms) if norms else None
 
 
 def examples_per_round(cfg: RunConfig) -> int:
@@ -115,6 +125,8 @@ def train_rows(
                 rows[nid]["secagg_clipped"] = clipped
                 rows[None]["secagg_clipped"] = rows[None].get("secagg_clipped", 0) + clipped
                 log.warning("node %d: SecAgg+ clipped %d values to its range", nid, clipped)
+            if "dp_clipped" in metrics:  # dp.*: whether the member clipped its update to dp.clip-norm
+                rows[nid]["dp_clipped"] = metrics["dp_clipped"]
             if metrics.get("robust"):  # capped weight, clipped update (common.reply_checks)
                 rows[nid]["robust"] = metrics["robust"]
                 rows[None]["robust_adjusted"] = rows[None].get("robust_adjusted", 0) + 1

@@ -78,6 +78,8 @@ def run_plan(cfg: RunConfig) -> Plan:
     from common.config import Plan
 
     spec = strategy_spec(cfg.strategy)
+    if cfg.dp.enabled and spec.dp_refusal:
+        raise ValueError(f"dp.mode: strategy '{spec.name}' cannot be run with differential privacy: {spec.dp_refusal}")
     adapter = spec.adapter_for(cfg)
     return Plan(adapter, adapter_kind(adapter).section, spec.sections(cfg))
 

@@ -30,6 +30,9 @@ class StrategySpec:
         adapter_from: for a strategy that trains any kind (the local-only baseline), the kind a run config picks;
             None: always ``adapter``.
         shared_sections: sections it shares with other strategies (ATLAS's and MIRA's ``fingerprint.*``).
+        dp_refusal: why a differentially private run (``dp.mode``) of it cannot be accounted: what it releases
+            beside its group sums (None: nothing, so the sums' noise covers it). A new strategy is refused until it
+            says.
     """
 
     name: str
@@ -39,6 +42,7 @@ class StrategySpec:
     section: type[Section] | None = None
     adapter_from: Callable[[RunConfig], str] | None = None
     shared_sections: tuple[type[Section], ...] = ()
+    dp_refusal: str | None = "it has not declared what it releases beside its group sums"
 
     def adapter_for(self, cfg: RunConfig) -> str:
         """The adapter kind a run of this strategy trains."""

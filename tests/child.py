@@ -51,3 +51,22 @@ def flwr_run_once(workdir: Path, run_config: str, num_clients: int, timeout: flo
         pytest.fail(f"flwr run failed (exit {proc.returncode}); its log:\n{_tail(proc.stdout, proc.stderr)}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return run_dir, rows
+
+
+def run_tiny_federation(model_dir: Path, tmp_path: Path, config: dict, clients: int, rounds: int = 2) -> list[dict]:
+    """An in-process federation of ``clients`` on the tiny model at ``model_dir`` (``rounds`` rounds, ``config`` on
+    top; the real ServerApp and ClientApp, ``test_toy_strategy.run_in_process``), in a child process; its metrics
+    rows (the run dir is ``tmp_path / "run"``)."""
+    run_dir = tmp_path / "run"
+    base = {
+        "model.name": str(model_dir),
+        "model.quantization": "fp32",
+        "model.device": "cpu",
+        "num-server-rounds": rounds,
+        "eval.max-examples": 2,
+        "eval.max-new-tokens": 1,
+        "run-dir": str(run_dir),
+        "node-wait-timeout": 120.0,
+    }
+    run_in_child("test_toy_strategy", "run_in_process", {**base, **config}, clients, timeout=900)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from child import run_tiny_federation
 
 from server_app.sampling import EVALUATE, TRAIN, round_participants, sample_nodes, sample_size
 from strategies import load_run_config
@@ -74,27 +75,6 @@ def test_a_secure_sample_never_falls_below_a_secagg_group():
         load_run_config({"fraction-train": 0})
 
 
-def _run_tiny(tiny_llama_dir, tmp_path, config: dict, clients: int) -> list[dict]:
-    """A 2-round in-process federation of ``clients`` on the tiny model with ``config`` on top; its metrics rows."""
-    import json
-
-    from child import run_in_child
-
-    run_dir = tmp_path / "run"
-    base = {
-        "model.name": str(tiny_llama_dir),
-        "model.quantization": "fp32",
-        "model.device": "cpu",
-        "num-server-rounds": 2,
-        "eval.max-examples": 2,
-        "eval.max-new-tokens": 1,
-        "run-dir": str(run_dir),
-        "node-wait-timeout": 120.0,
-    }
-    run_in_child("test_toy_strategy", "run_in_process", {**base, **config}, clients, timeout=900)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 @pytest.mark.e2e
 def test_twenty_clients_a_quarter_sampled_train_through_secagg(tiny_llama_dir, tmp_path):
     """FedAvg, secure, 20 simulated clients, fraction-train=0.25 (in-process, tiny model): each round exactly the 5
@@ -109,7 +89,7 @@ def test_twenty_clients_a_quarter_sampled_train_through_secagg(tiny_llama_dir, t
         "evaluate-all-every": 2,  # rounds 0 and 2: every client (so every node's partition is in the rows)
         "train.local-steps": 2,
     }
-    rows = _run_tiny(tiny_llama_dir, tmp_path, config, clients=20)
+    rows = run_tiny_federation(tiny_llama_dir, tmp_path, config, clients=20)
     partition_of = {r["node"]: r["partition_id"] for r in rows if r["node"] is not None}
     assert sorted(partition_of.values()) == list(range(20))
     evaluated = [sum(1 for r in rows if r["round"] == k and r["node"] is not None) for k in (0, 1, 2)]
@@ -134,7 +114,7 @@ def test_atlas_under_sampling_asks_each_client_for_its_fingerprint_once(tiny_lla
     sampled train."""
     config = {"strategy": "atlas", "fraction-train": 0.5, "train.local-steps": 1, "fingerprint.batches": 2}
     config["atlas.k"] = 2
-    rows = _run_tiny(tiny_llama_dir, tmp_path, config, clients=8)
+    rows = run_tiny_federation(tiny_llama_dir, tmp_path, config, clients=8)
     partition_of = {r["node"]: r["partition_id"] for r in rows if r["node"] is not None}
     reported: list[set[int]] = []
     for server_round in (1, 2):

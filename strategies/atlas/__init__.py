@@ -19,6 +19,7 @@ SPEC = StrategySpec(
     adapter="lora",
     section=AtlasSection,
     shared_sections=(FingerprintSection,),
+    dp_refusal="each client's fingerprint (the clusters are made from it) is sent in the clear, unaccounted",
 )
 
 __all__ = ["SPEC", "Atlas", "AtlasClient", "AtlasSection"]

@@ -18,7 +18,10 @@ SPEC = StrategySpec(
     adapter="lora",
     section=FedAvgSection,
     adapter_from=lambda cfg: cfg.section(FedAvgSection).adapter,
+    dp_refusal=None,  # one sum per model family, nothing else
 )
-SPEC_DUAL = StrategySpec(name=FedAvgDual.name, server=FedAvgDual, client=StrategyClient, adapter="lora-dual")
+SPEC_DUAL = StrategySpec(  # the shared path's sum; the personal LoRA never leaves the node
+    name=FedAvgDual.name, server=FedAvgDual, client=StrategyClient, adapter="lora-dual", dp_refusal=None
+)
 
 __all__ = ["SPEC", "SPEC_DUAL", "FedAvg", "FedAvgDual", "FedAvgSection", "family_key"]

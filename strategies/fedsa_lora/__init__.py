@@ -8,6 +8,8 @@ from ..spec import StrategySpec
 from .client import OWN_B, FedSALoraClient
 from .server import FedSALora
 
-SPEC = StrategySpec(name=FedSALora.name, server=FedSALora, client=FedSALoraClient, adapter="lora")
+SPEC = StrategySpec(  # A's sum; B stays home
+    name=FedSALora.name, server=FedSALora, client=FedSALoraClient, adapter="lora", dp_refusal=None
+)
 
 __all__ = ["OWN_B", "SPEC", "FedSALora", "FedSALoraClient"]

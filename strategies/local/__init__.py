@@ -13,6 +13,7 @@ SPEC = StrategySpec(
     adapter="lora",
     section=LocalSection,
     adapter_from=lambda cfg: cfg.section(LocalSection).adapter,
+    dp_refusal="local-only training sends no adapter: there is nothing to privatise (run it without dp.mode)",
 )
 
 __all__ = ["SPEC", "LocalClient", "LocalOnly", "LocalSection"]

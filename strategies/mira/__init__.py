@@ -18,6 +18,7 @@ SPEC = StrategySpec(
     adapter="lora",
     section=MiraSection,
     shared_sections=(FingerprintSection,),
+    dp_refusal="each client's fingerprint (the task graph is made from it) is sent in the clear, unaccounted",
 )
 
 __all__ = ["SPEC", "Mira", "MiraClient", "MiraSection"]

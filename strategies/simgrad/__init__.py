@@ -17,6 +17,8 @@ SPEC = StrategySpec(
     adapter="pqlora",
     section=SimGradSection,
     adapter_from=lambda cfg: "pqlora-dual" if cfg.section(SimGradSection).local_path == "lora" else "pqlora",
+    dp_refusal="each client's gradient signature and block salience (the routing is made from them) are sent in "
+    "the clear, unaccounted",
 )
 
 __all__ = ["SPEC", "ClientReport", "SimGrad", "SimGradClient", "SimGradSection"]

@@ -20,6 +20,8 @@ SPEC = StrategySpec(
     adapter="experts",
     section=VemoeSection,
     adapter_from=lambda cfg: "experts-dual" if cfg.section(VemoeSection).personal_lora else "experts",
+    dp_refusal="each client's payload is its experts weighted by its responsibilities (not an update of bounded "
+    "norm), and its birth votes are counted in the clear",
 )
 
 __all__ = ["SPEC", "VEMoE", "VEMoEClient", "VemoeSection"]

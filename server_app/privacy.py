@@ -1,0 +1,106 @@
+"""Differential privacy on the server's side (``dp.*``; the math is ``common.privacy``, the page docs/privacy.md).
+
+Per round: every group's members are weighted equally (an example count used as a weight would be a release of
+its own, and one member's share of the sum must not grow with it), told the norm to clip their update to and, in
+distributed mode, the noise they add before masking (sized for the fewest members the group's sum can be unmasked
+with); in central mode the server adds the noise to each group's mean. The accountant composes the noise of every
+round run so far (kept in the checkpoint, so a resumed run goes on counting); a run with a target stops before the
+round that would exceed it, and every aggregate row says what has been spent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from common.config import RunConfig
+from common.logs import get_logger
+from common.privacy import (
+    DP_CLIP_NORM,
+    DP_NOISE_STD,
+    epsilon_of,
+    fewest_members,
+    noise_for_target,
+    noise_norm_bound,
+    quantisation_problem,
+    share_std,
+    with_noise,
+)
+from common.secure_bounds import reconstruction_threshold
+from strategies.base import WEIGHT_EQUALLY, Group, GroupResult
+
+log = get_logger("tessera.server")
+
+
+def noise_multiplier(cfg: RunConfig) -> float:
+    """z for this run: ``dp.noise-multiplier``, else the least that spends ``dp.target-epsilon`` in
+    ``num-server-rounds`` rounds."""
+    dp = cfg.dp
+    return dp.noise_multiplier or noise_for_target(dp.target_epsilon, dp.delta, cfg.num_server_rounds)
+
+
+def stop_reason(cfg: RunConfig, spent: Sequence[float], server_round: int) -> str | None:
+    """Why round ``server_round`` must not run (None: it may): it would take the run past ``dp.target-epsilon``."""
+    dp = cfg.dp
+    if not dp.enabled or dp.target_epsilon == 0:
+        return None
+    after = epsilon_of([*spent, noise_multiplier(cfg)], dp.delta)
+    if after <= dp.target_epsilon * (1 + 1e-6):  # the calibration's own tolerance
+        return None
+    return (
+        f"dp.target-epsilon: round {server_round} would spend epsilon {after:.3f} in all, beyond the target "
+        f"{dp.target_epsilon:g} (delta {dp.delta:g}); the run stops after round {server_round - 1}"
+    )
+
+
+def prepare(cfg: RunConfig, groups: list[Group]) -> None:
+    """Make this round's groups private: equal weights, the clip norm and (distributed) each member's noise."""
+    if not cfg.dp.enabled:
+        return
+    z, clip_norm = noise_multiplier(cfg), cfg.dp.clip_norm
+    for group in groups:
+        group.weight_by, group.max_weight = WEIGHT_EQUALLY, None
+        group.config[DP_CLIP_NORM] = clip_norm
+        if cfg.dp.mode == "distributed":
+            size = len(group.members)
+            threshold = reconstruction_threshold(size, cfg.secagg.num_shares, cfg.secagg.reconstruction_threshold)
+            share = share_std(z, clip_norm, fewest_members(size, threshold))
+            problem = quantisation_problem(share, clip_norm, cfg.secagg.clipping_range, cfg.secagg.quantization_range)
+            if problem:
+                raise ValueError(problem)
+            group.config[DP_NOISE_STD] = share
+
+
+def add_central_noise(cfg: RunConfig, results: list[GroupResult], rng: np.random.Generator | None = None) -> None:
+    """Central mode: each group's (equally weighted) mean gets N(0, (z C / n)^2) per coordinate, n its members in
+    the mean: the sum's N(0, (z C)^2) divided by n."""
+    if cfg.dp.mode != "central":
+        return
+    z = noise_multiplier(cfg)
+    for result in results:
+        if result.mean is not None and result.contributors:
+            result.mean = with_noise(result.mean, z * cfg.dp.clip_norm / len(result.contributors), rng)
+
+
+def distance_allowance(group: Group, contributors: int, dimension: int) -> float:
+    """What distributed noise may add to a group mean's distance from its start (0 without noise): the members'
+    shares sum to at least N(0, (z C)^2), over ``contributors`` in the mean."""
+    share = float(group.config.get(DP_NOISE_STD, 0.0))
+    if share == 0 or contributors == 0:
+        return 0.0
+    return noise_norm_bound(share / np.sqrt(contributors), dimension)
+
+
+def round_row(cfg: RunConfig, spent: Sequence[float]) -> dict[str, Any]:
+    """What the aggregate row says of the privacy spent after this round (nothing when ``dp.mode`` is off)."""
+    if not cfg.dp.enabled:
+        return {}
+    return {
+        "dp_mode": cfg.dp.mode,
+        "dp_noise_multiplier": spent[-1] if spent else noise_multiplier(cfg),
+        "dp_clip_norm": cfg.dp.clip_norm,
+        "dp_delta": cfg.dp.delta,
+        "dp_epsilon": epsilon_of(spent, cfg.dp.delta),
+    }
