@@ -137,7 +137,13 @@ def train(msg: Message, context: Context) -> Message:
         metrics["secagg_norm_clipped"] = int(clipped)
     if DP_CLIP_NORM in config:  # differential privacy (common.privacy): the update clipped, then (distributed) noised
         updated, clipped = clip_update(updated, sent, float(config[DP_CLIP_NORM]))
-        metrics["dp_clipped"] = int(clipped)
+        # its norm (and whether it was clipped) would say what the noise hides: kept on the node
+        log.info(
+            "partition %d: update norm %.4g, clipped to dp.clip-norm: %s",
+            rt.partition_id,
+            metrics.pop("update_norm"),
+            clipped,
+        )
         if DP_NOISE_STD in config:  # this member's share of the noise, added before SecAgg+ masks it
             updated = with_noise(updated, float(config[DP_NOISE_STD]))
     if SECAGG_CLIP in config:  # secure mode: how many values SecAgg+ will clamp to its range after weighting

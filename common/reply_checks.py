@@ -82,7 +82,6 @@ GUARD_BOUNDS = {"share": Bound(float, 0.0, 1.0), "server_loss": Bound(float), "o
 TRAIN_OPTIONAL: dict[str, Spec] = {
     "secagg_clipped": Bound(int),
     "secagg_norm_clipped": Bound(int, 0, 1),
-    "dp_clipped": Bound(int, 0, 1),  # dp.*: whether the member clipped its update to dp.clip-norm
     "update_norm": Bound(float),  # secure mode: the member's own word (the server cannot measure one update)
     **{f"train_guard_{k}": b for k, b in GUARD_BOUNDS.items()},
 }

@@ -125,8 +125,6 @@ def train_rows(
                 rows[nid]["secagg_clipped"] = clipped
                 rows[None]["secagg_clipped"] = rows[None].get("secagg_clipped", 0) + clipped
                 log.warning("node %d: SecAgg+ clipped %d values to its range", nid, clipped)
-            if "dp_clipped" in metrics:  # dp.*: whether the member clipped its update to dp.clip-norm
-                rows[nid]["dp_clipped"] = metrics["dp_clipped"]
             if metrics.get("robust"):  # capped weight, clipped update (common.reply_checks)
                 rows[nid]["robust"] = metrics["robust"]
                 rows[None]["robust_adjusted"] = rows[None].get("robust_adjusted", 0) + 1

@@ -213,8 +213,9 @@ def test_a_secure_fedavg_run_with_distributed_noise_counts_every_round_and_stops
     spent = [aggregate[r]["dp_epsilon"] for r in (1, 2)]
     assert spent == pytest.approx([epsilon_spent(z, 1, 1e-5), epsilon_spent(z, 2, 1e-5)]) and spent[1] <= 8.0
     assert all(aggregate[r]["dp_mode"] == "distributed" and aggregate[r]["dp_noise_multiplier"] == z for r in (1, 2))
-    trained = [r for r in rows if r["node"] is not None and r["round"] in (1, 2) and "dp_clipped" in r]
+    trained = [r for r in rows if r["node"] is not None and r["round"] in (1, 2) and "accepted" in r]
     assert len(trained) == 6 and all(r["accepted"] for r in trained), trained
+    assert all(r["update_norm"] is None for r in trained)  # a member's norm stays on its node under DP
 
     run_dir = tmp_path / "run"
     state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
