@@ -185,3 +185,32 @@ def test_partition_sources_simulate_members_own_files_and_bad_data_leaves_its_no
     for partition, row in last.items():
         assert row["tasks"] == "node-data" and row["data_examples"] == 40, row
         assert row["eval_loss"] < first[partition]["eval_loss"], (partition, first[partition], row)
+
+
+def test_fedavg_through_secagg_with_distributed_noise_counts_every_round_and_stops_at_its_target(flwr_home, tmp_path):
+    """Issue 56's end-to-end run: FedAvg through SecAgg+ on the real model with dp.target-epsilon=8 and a noise
+    multiplier that the target carries through 2 rounds but not 3: rounds 1 and 2 run, each aggregate row says what
+    was spent, the run stops before round 3 saying why; the global LoRA B (zero at the start) is as far from zero as
+    the members' noise puts it (they add it before masking; the server only unmasks the sum)."""
+    from common.privacy import epsilon_spent, noise_for_target
+
+    run_dir, clip_norm = tmp_path / "dp", 0.01
+    z = 1.02 * noise_for_target(8.0, 1e-5, 2)
+    assert epsilon_spent(z, 3, 1e-5) > 8.0
+    dp = f"dp.mode='distributed' dp.target-epsilon=8.0 dp.noise-multiplier={z!r} dp.clip-norm={clip_norm}"
+    proc = flwr_run(flwr_home, f"{FAST} num-server-rounds=3 secure=true min-train-replies=3 {dp} run-dir='{run_dir}'")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "round 3 would spend" in out and "epsilon" in out, out[-3000:]
+    rows = read_metrics(run_dir)
+    aggregate = {r["round"]: r for r in rows if r["node"] is None}
+    assert sorted(aggregate) == [0, 1, 2], "the run did not stop before round 3"
+    spent = [aggregate[r]["dp_epsilon"] for r in (1, 2)]
+    assert spent == pytest.approx([epsilon_spent(z, 1, 1e-5), epsilon_spent(z, 2, 1e-5)]) and spent[1] <= 8.0
+    assert all(aggregate[r]["dp_mode"] == "distributed" and aggregate[r]["dp_noise_multiplier"] == z for r in (1, 2))
+    trained = [r for r in rows if r["node"] is not None and r["round"] in (1, 2) and "accepted" in r]
+    assert len(trained) == 6 and all(r["accepted"] and r["update_norm"] is None for r in trained), trained
+    b = np.concatenate([v.ravel() for k, v in global_adapter(run_dir).items() if "lora_B" in k])
+    # two rounds of a mean over 3 members whose shares sum to N(0, (z C)^2) per coordinate: (z C / 3)^2 a round
+    expected = np.sqrt(2) * z * clip_norm / 3 * np.sqrt(b.size)
+    assert 0.9 * expected < np.linalg.norm(b) < 1.1 * expected + 2 * clip_norm, (np.linalg.norm(b), expected)
