@@ -142,13 +142,24 @@ class RunConfig(Section):
                 "dp.mode: 'central' has the server add the noise to sums it sees; with secure=true "
                 "the members add it ('distributed')"
             )
-        if self.dp.enabled and self.dp.target_epsilon > 0 and self.dp.noise_multiplier == 0:
-            from common.privacy import noise_for_target
+        if not self.dp.enabled:
+            return
+        from common.privacy import noise_for_target, quantisation_problem, share_std
+        from common.secure_bounds import MIN_SECURE_GROUP
 
+        z = self.dp.noise_multiplier
+        if z == 0:
             try:
-                noise_for_target(self.dp.target_epsilon, self.dp.delta, self.num_server_rounds)
+                z = noise_for_target(self.dp.target_epsilon, self.dp.delta, self.num_server_rounds)
             except ValueError as err:
                 raise ValueError(f"dp.target-epsilon: {err}") from None
+        if self.dp.mode == "distributed":  # the largest share a member adds (the fewest shares) against the clamp
+            share = share_std(z, self.dp.clip_norm, MIN_SECURE_GROUP)
+            problem = quantisation_problem(
+                share, self.dp.clip_norm, self.secagg.clipping_range, self.secagg.quantization_range
+            )
+            if problem and "clipping-range" in problem:
+                raise ValueError(problem)
 
     def section(self, kind: type[SectionT]) -> SectionT:
         """This run's values of an adapter's or strategy's section (its defaults when the run sets none)."""

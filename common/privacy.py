@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from common.secure_bounds import MIN_SECURE_GROUP  # a group's sum is never unmasked from fewer members
+
 Arrays = dict[str, np.ndarray]
 
 # train-instruction keys: the norm a member clips its update to, and (distributed mode) its share of the noise
@@ -100,7 +102,7 @@ def with_noise(arrays: Mapping[str, np.ndarray], std: float, rng: np.random.Gene
 def fewest_members(group_size: int, reconstruction_threshold: int) -> int:
     """The fewest members whose masked vectors a group's SecAgg+ sum can hold: it is unmasked only when at least
     the reconstruction threshold of them (and never fewer than 3) survive."""
-    return max(3, min(group_size, reconstruction_threshold))
+    return max(MIN_SECURE_GROUP, min(group_size, reconstruction_threshold))
 
 
 def share_std(noise_multiplier: float, clip_norm: float, fewest: int) -> float:

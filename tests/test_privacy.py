@@ -166,6 +166,17 @@ def test_a_run_stops_before_the_round_that_would_pass_its_target():
         ({"dp.mode": "central"}, "dp.target-epsilon", "set it"),
         ({"dp.mode": "central", "dp.target-epsilon": 1e-9, "num-server-rounds": 1000}, "dp.target-epsilon", "no noise"),
         ({"dp.mode": "central", "dp.target-epsilon": 8.0, "dp.delta": 0}, "dp.delta", "greater than 0"),
+        (
+            {
+                "dp.mode": "distributed",
+                "dp.noise-multiplier": 2.0,
+                "dp.clip-norm": 2.0,
+                "secure": True,
+                "min-train-replies": 3,
+            },
+            "secagg.clipping-range",
+            "would clamp a member's noise",
+        ),
         ({"dp.mode": "central", "dp.target-epsilon": 8.0, "strategy": "atlas"}, "dp.mode", "fingerprint"),
         ({"dp.mode": "central", "dp.target-epsilon": 8.0, "strategy": "mira"}, "dp.mode", "fingerprint"),
         ({"dp.mode": "central", "dp.target-epsilon": 8.0, "strategy": "simgrad"}, "dp.mode", "gradient signature"),
