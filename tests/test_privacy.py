@@ -194,3 +194,43 @@ def test_a_private_run_that_cannot_be_accounted_is_refused_before_round_one_nami
 def test_strategies_that_release_only_their_sums_run_privately(strategy):
     cfg = load_run_config({"strategy": strategy, "dp.mode": "central", "dp.target-epsilon": 8.0})
     assert cfg.dp.enabled and privacy.noise_multiplier(cfg) > 0
+
+
+@pytest.mark.usefixtures("task_identity")
+@pytest.mark.parametrize("z", [1e-9, 4.0])
+def test_a_central_round_weighs_members_equally_clips_them_and_noises_only_the_mean(z, monkeypatch):
+    """A plain FedAvg round through the real transport (an in-memory grid answers for 3 members) under
+    dp.mode='central': each member is told the clip norm, a member claiming 40 examples counts as one, the server
+    clips what it receives, and the mean is the clipped members' plain mean plus N(0, (z C / 3)^2) per coordinate."""
+    import test_transport_plain
+    from test_transport_plain import METRICS, START, InMemoryGrid
+
+    from common.records import train_reply
+    from server_app.offenders import Offenders
+    from server_app.training import reply_limits, train_round
+    from strategies.base import ClientInfo
+    from strategies.fedavg import FedAvg
+
+    clip_norm = 0.5
+    cfg = load_run_config({"dp.mode": "central", "dp.noise-multiplier": z, "dp.clip-norm": clip_norm})
+    start = {k: np.zeros((60, 40), np.float32) for k in START}  # 4,800 coordinates: enough to measure the noise
+    monkeypatch.setattr(test_transport_plain, "START", start)  # the shapes the in-memory grid reads instructions by
+    rng = np.random.default_rng(4)
+    updates = {
+        nid: {k: (s * rng.normal(size=v.shape)).astype(np.float32) for k, v in start.items()}
+        for nid, s in ((1, 1e-4), (2, 0.05), (3, 1.0))
+    }  # norms ~0.01, ~3.5, ~70: two beyond C
+    claims = {1: 1, 2: 1, 3: 40}  # member 3 claims more weight than DP's equal weighting allows
+    grid = InMemoryGrid({nid: (lambda a, nid=nid: train_reply(updates[nid], claims[nid], METRICS)) for nid in updates})
+    strategy = FedAvg()
+    strategy.initialise({nid: ClientInfo(nid, nid, "m", start) for nid in updates})
+    limits = reply_limits(cfg)
+    _, (result,) = train_round(grid, None, cfg, strategy, 1, [1, 2, 3], Offenders(0, 0), limits)
+    assert all(float(m.content["fitins.config"][DP_CLIP_NORM]) == clip_norm for m in grid.sent)
+    clipped = [clip_update(updates[n], start, clip_norm)[0] for n in (1, 2, 3)]
+    plain_mean = {k: sum(c[k] for c in clipped) / 3 for k in start}
+    noise = np.concatenate([(result.mean[k] - plain_mean[k]).ravel() for k in start])
+    if z < 1e-6:
+        assert np.abs(noise).max() < 1e-6  # equal weights, clipped: the plain mean itself
+    else:
+        assert np.std(noise) == pytest.approx(z * clip_norm / 3, rel=0.05)
