@@ -80,6 +80,9 @@ PER_EXAMPLE_METRICS = ("eval_example_loss", "eval_example_tokens")  # one value 
 # added from their ``reply_metrics``: ``reply_metric_specs``).
 GUARD_BOUNDS = {"share": Bound(float, 0.0, 1.0), "server_loss": Bound(float), "own_loss": Bound(float)}
 TRAIN_OPTIONAL: dict[str, Spec] = {
+    "train_loss_tokens": Bound(int),  # tokens that carried a loss (common.training.train_round)
+    "loss_tokens_per_second": Bound(float),
+    "gpu_peak_allocated_mb": Bound(float),  # CUDA clients
     "secagg_clipped": Bound(int),
     "secagg_norm_clipped": Bound(int, 0, 1),
     "update_norm": Bound(float),  # secure mode: the member's own word (the server cannot measure one update)

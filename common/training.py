@@ -168,7 +168,7 @@ def train_round(
     encoded: dict[int, Encoded] = {}
     order: list[int] = []
     model.train()
-    losses, tokens, seen = [], 0, 0
+    losses, tokens, loss_tokens, seen = [], 0, 0, 0
     for step in range(cfg.local_steps):
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
@@ -184,6 +184,7 @@ def train_round(
             del order[: cfg.batch_size]
             step_loss += accumulate_batch(model, chosen, tokenizer.pad_token_id, cfg, device)
             tokens += sum(len(e.input_ids) for e in chosen)
+            loss_tokens += sum(_answer_tokens(e) for e in chosen)
             seen += len(chosen)
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
@@ -197,8 +198,19 @@ def train_round(
         "train_examples": seen,
         "train_tokens": tokens,
         "train_seconds": seconds,
-        "tokens_per_second": tokens / max(seconds, 1e-9),
+        "tokens_per_second": tokens / max(seconds, 1e-9),  # every non-pad token the model saw
+        # the useful ones: tokens that carry a loss (the answers); what a speed change is judged by
+        "train_loss_tokens": loss_tokens,
+        "loss_tokens_per_second": loss_tokens / max(seconds, 1e-9),
+        **_gpu_peak(device),
     }
+
+
+def _gpu_peak(device) -> dict[str, float]:
+    """The GPU memory this process allocated at most since it started (CUDA only; nothing on a CPU)."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return {}
+    return {"gpu_peak_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20}
 
 
 def token_counts(

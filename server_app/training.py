@@ -113,6 +113,8 @@ def train_rows(
                 "train_tokens": metrics.get("train_tokens"),
                 "train_seconds": metrics.get("train_seconds"),
                 "tokens_per_second": metrics.get("tokens_per_second"),
+                "loss_tokens_per_second": metrics.get("loss_tokens_per_second"),  # tokens that carry a loss
+                **{k: metrics[k] for k in ("train_loss_tokens", "gpu_peak_allocated_mb") if k in metrics},
                 "bytes_up": metrics.get("bytes_up", 0),
                 "bytes_down": metrics.get("bytes_down", 0),
                 "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),

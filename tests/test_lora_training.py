@@ -80,6 +80,11 @@ def test_training_lowers_the_loss_and_saved_adapter_reloads(tiny, tiny_llama_dir
     after = answer_loss(model, tokenizer, EXAMPLES, 4, 64)
     assert after < before - 0.1, (before, after)
     assert metrics["train_examples"] == 60 and metrics["train_tokens"] > 0
+    # the useful tokens: every answer token of the 60 examples drawn (5 passes over the 12), and no prompt token
+    answers = sum(int((torch.tensor(encode(tokenizer, e, 2048).labels) != IGNORE).sum()) for e in EXAMPLES)
+    assert metrics["train_loss_tokens"] == 5 * answers < metrics["train_tokens"]
+    assert metrics["loss_tokens_per_second"] == pytest.approx(metrics["train_loss_tokens"] / metrics["train_seconds"])
+    assert "gpu_peak_allocated_mb" not in metrics  # a CPU run reports no GPU memory
 
     arrays = get_adapter_arrays(model)
     train_round(model, tokenizer, EXAMPLES, TrainSection(local_steps=2, batch_size=4), lr=5e-3, seed=1)
