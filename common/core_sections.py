@@ -154,6 +154,9 @@ class TrainSection(Section):
     weight_decay: float = Field(0.0, ge=0)
     max_seq_len: int = Field(160, ge=16, le=8192)
     max_grad_norm: float = Field(1.0, gt=0)
+    # padding-free batches: a batch's examples end to end in one row, attention kept inside each example
+    # (common.training.pack); the same loss and gradients as the padded batch, no compute on padding
+    packing: bool = False
 
 
 class EvalSection(Section):

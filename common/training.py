@@ -101,6 +101,22 @@ def collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def pack(batch: list[Encoded]) -> dict[str, torch.Tensor]:
+    """The batch as ONE row without padding (``train.packing``): the examples end to end, positions restarting at 0
+    in each, and no attention mask, so that transformers attends within each example only (it reads the examples'
+    bounds from the positions: ``masking_utils.find_packed_sequence_indices``, for the eager and SDPA attentions).
+    Each example's first label is ignored, as the shifted loss of its own padded row ignores it (here the token
+    before it is the previous example's last). Same loss and gradients as ``collate``'s padded batch."""
+    ids = [token for e in batch for token in e.input_ids]
+    labels = [label for e in batch for label in (IGNORE, *e.labels[1:])]
+    positions = [p for e in batch for p in range(len(e.input_ids))]
+    return {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "labels": torch.tensor([labels], dtype=torch.long),
+        "position_ids": torch.tensor([positions], dtype=torch.long),
+    }
+
+
 def batch_loss(model, tokenizer, examples: list[Example], max_len: int) -> torch.Tensor:
     """Mean answer-token cross-entropy of one batch (with the graph, for gradients)."""
     device = next(model.parameters()).device
@@ -134,7 +150,7 @@ def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection
         share = sum(_answer_tokens(e) for e in piece) / total
         if share == 0:
             continue
-        inputs = {k: v.to(device) for k, v in collate(piece, pad_id).items()}
+        inputs = {k: v.to(device) for k, v in (pack(piece) if cfg.packing else collate(piece, pad_id)).items()}
         loss = model(**inputs).loss * share / cfg.grad_accum_steps
         loss.backward()
         loss_sum += float(loss.detach())

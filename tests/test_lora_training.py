@@ -188,3 +188,36 @@ def test_learning_rate_groups_must_cover_every_trainable_parameter_once(tiny):
     frozen = {k: v.copy() for k, v in get_adapter_arrays(model).items()}
     train_round(model, tokenizer, EXAMPLES, cfg, lr=1e-2, seed=0, lr_groups=[(params, 0.0)])  # a rate of 0: no step
     assert all(np.array_equal(frozen[k], v) for k, v in get_adapter_arrays(model).items())
+
+
+@pytest.mark.parametrize("micro", [0, 2])
+def test_a_packed_batch_gives_the_padded_batchs_loss_and_gradients(tiny, micro):
+    """train.packing: the batch in one row, positions restarting per example, no padding; the same loss and LoRA
+    gradients as the padded batch (whole or in micro-batches). Read as one sequence (positions running on), the same
+    row would attend across examples and give another loss: the positions are what keep the examples apart."""
+    from common.training import accumulate_batch, pack
+
+    model, tokenizer = tiny
+    for p in model.parameters():
+        if p.requires_grad and p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)  # lora_B starts at zero: give every LoRA weight a gradient
+    varied = [Example("toy", "Add these numbers: " + " plus ".join(["7"] * k) + "?", str(7 * k)) for k in (1, 9, 3, 14)]
+    batch = [encode(tokenizer, e, 128) for e in varied]
+    assert len({len(e.input_ids) for e in batch}) == 4  # the padded batch pads three of them
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(packing: bool):
+        model.zero_grad(set_to_none=True)
+        cfg = TrainSection(batch_size=4, micro_batch_size=micro, packing=packing)
+        loss = accumulate_batch(model, batch, tokenizer.pad_token_id, cfg, "cpu")
+        return loss, [p.grad.clone() for p in params]
+
+    padded_loss, padded = gradient(False)
+    packed_loss, packed = gradient(True)
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
+    for a, b in zip(padded, packed):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    row = pack(batch)
+    with torch.no_grad():
+        as_one = model(input_ids=row["input_ids"], labels=row["labels"]).loss.item()  # positions 0..T-1
+    assert abs(as_one - padded_loss) > 20 * abs(packed_loss - padded_loss) + 1e-4, (as_one, packed_loss, padded_loss)
