@@ -41,14 +41,15 @@ if docker info >/dev/null 2>&1; then
   IMAGE_BUILD_PID=$!
 fi
 bash scripts/lint.sh
-# The unit tests (tiny models, in-process) on every core; then the end-to-end runs one at a time: each starts its own
+# The unit tests and the in-process federations (tiny models; each in a child process with its own Ray: marked
+# inprocess by tests/conftest.py) on every core; then the real-model end-to-end runs one at a time: each starts its own
 # processes on all the cores (SuperLink, SuperNodes, Ray) and waits on timeouts sized for a machine of its own.
 workers=$(python3 -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
 # Both phases run whatever the first gives; the script fails if either did.
 rc=0
-python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 -n "$workers" -m "not e2e" "$@" tests || rc=$?
+python3 -m pytest -q -p no:cacheprovider -rfEs --durations=20 -n "$workers" -m "not e2e or inprocess" "$@" tests || rc=$?
 if [ -n "$IMAGE_BUILD_PID" ]; then
   wait "$IMAGE_BUILD_PID" || echo "[test] building the demo's image beforehand failed: $(tail -3 /tmp/tessera-image-build.log)"
 fi
-python3 -m pytest -q -p no:cacheprovider -rfEs --durations=0 -m e2e "$@" tests || rc=$?
+python3 -m pytest -q -p no:cacheprovider -rfEs --durations=0 -m "e2e and not inprocess" "$@" tests || rc=$?
 exit "$rc"
