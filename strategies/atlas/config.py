@@ -22,9 +22,11 @@ class AtlasSection(Section):
     clustering: Literal["fingerprint", "oracle"] = "fingerprint"
     k: int = Field(0, ge=0)  # 0: chosen by the combined silhouette / Davies-Bouldin / Calinski-Harabasz score
     k_max: int = Field(6, ge=2)  # largest k tried (and at most clients - 1)
-    # a k that leaves a cluster smaller than this is not chosen while another k does not (1: any clustering); 2 by
-    # default: a client clustered alone only trains alone (few-shot-pairs: k=5 split the XSum pair, k=4 did not)
-    min_cluster_size: int = Field(2, ge=1)
+    # a k that leaves a cluster smaller than this is not chosen while another k does not (1: any clustering). 1 by
+    # default, chosen on the validation split of three structures (bench.defaults; docs/results/defaults-atlas-min-
+    # cluster-size): 2 put the two partner-less clients of few-shot-partnerless in one cluster (+0.183 on the worst
+    # client against training alone); 1 cost no preset's worst client anything (it gave up few-shot-pairs' -0.016)
+    min_cluster_size: int = Field(1, ge=1)
     recluster_every: int = Field(0, ge=0)  # new fingerprints and clusters every N rounds; 0: once, in round 1
     min_group_size: int = Field(3, ge=3)  # secure mode: a smaller cluster merges into its nearest one
     # Per-layer LoRA ranks under each client's memory budget (MiB of adapter training memory: fp32 weights,
