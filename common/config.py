@@ -144,21 +144,16 @@ class RunConfig(Section):
             )
         if not self.dp.enabled:
             return
-        from common.privacy import noise_for_target, quantisation_problem, share_std
+        from common.privacy import clamp_problem, share_std
         from common.secure_bounds import MIN_SECURE_GROUP
 
-        z = self.dp.noise_multiplier
-        if z == 0:
-            try:
-                z = noise_for_target(self.dp.target_epsilon, self.dp.delta, self.num_server_rounds)
-            except ValueError as err:
-                raise ValueError(f"dp.target-epsilon: {err}") from None
+        try:
+            z = self.dp.planned_noise(self.num_server_rounds)
+        except ValueError as err:
+            raise ValueError(f"dp.target-epsilon: {err}") from None
         if self.dp.mode == "distributed":  # the largest share a member adds (the fewest shares) against the clamp
             share = share_std(z, self.dp.clip_norm, MIN_SECURE_GROUP)
-            problem = quantisation_problem(
-                share, self.dp.clip_norm, self.secagg.clipping_range, self.secagg.quantization_range
-            )
-            if problem and "clipping-range" in problem:
+            if problem := clamp_problem(share, self.dp.clip_norm, self.secagg.clipping_range):
                 raise ValueError(problem)
 
     def section(self, kind: type[SectionT]) -> SectionT:

@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from common.privacy import MAX_NOISE_MULTIPLIER, noise_for_target
 from common.section import Section, split_csv, split_pairs
 
 NATURAL_INSTRUCTIONS = "natural-instructions"  # data.source: the Natural-Instructions sub-tasks of the bigbench sdist
@@ -296,9 +297,14 @@ class DPSection(Section):
     mode: Literal["off", "central", "distributed"] = "off"
     clip_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
     target_epsilon: float = Field(0.0, ge=0, allow_inf_nan=False)
-    noise_multiplier: float = Field(0.0, ge=0, le=1e4, allow_inf_nan=False)
+    noise_multiplier: float = Field(0.0, ge=0, le=MAX_NOISE_MULTIPLIER, allow_inf_nan=False)
     delta: float = Field(1e-5, gt=0, lt=1)
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    def planned_noise(self, rounds: int) -> float:
+        """z for a run of ``rounds`` rounds: ``noise_multiplier``, else the least that spends ``target_epsilon`` in
+        them (ValueError when no z can)."""
+        return self.noise_multiplier or noise_for_target(self.target_epsilon, self.delta, rounds)

@@ -25,6 +25,7 @@ import math
 import secrets
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -64,6 +65,7 @@ def epsilon_spent(noise_multiplier: float, rounds: int, delta: float) -> float:
     return epsilon_of([noise_multiplier] * rounds, delta)
 
 
+@lru_cache(maxsize=64)  # a run asks for its z at every check and round; the answer depends on these three alone
 def noise_for_target(target_epsilon: float, delta: float, rounds: int) -> float:
     """The least noise multiplier whose ``rounds`` rounds spend at most ``target_epsilon`` at ``delta``
     (dp-accounting's calibration; ValueError when even ``MAX_NOISE_MULTIPLIER`` cannot)."""
@@ -121,22 +123,31 @@ def noise_norm_bound(std_per_coordinate: float, dimension: int) -> float:
     return std_per_coordinate * (math.sqrt(dimension) + TAIL)
 
 
-def quantisation_problem(share: float, clip_norm: float, clipping_range: float, quantization_range: int) -> str | None:
-    """Why SecAgg+'s clamping or rounding would change distributed noise of per-member ``share``, or None.
-
-    A member's value is its adapter value (within ``clip_norm`` of what it was sent) plus its share of the noise;
-    SecAgg+ clamps it to +-clipping_range, which would cut the noise's tail, and rounds it to a grid of step
-    2 clipping_range / quantization_range. The noise must stand TAIL standard deviations inside the range from an
-    update of ``clip_norm`` (taken as the largest value a coordinate can reach) and be 1,000 grid steps wide."""
+def grid_problem(share: float, clipping_range: float, quantization_range: int) -> str | None:
+    """Why SecAgg+'s rounding grid (step 2 clipping_range / quantization_range) is too coarse for a member's noise
+    of std ``share`` (it must be 1,000 grid steps wide), or None."""
     step = 2.0 * clipping_range / quantization_range
-    if share < 1000 * step:
-        return (
-            f"secagg.quantization-range: a member's noise (std {share:.3g}) is less than 1,000 of SecAgg+'s grid "
-            f"steps ({step:.3g}); raise the quantisation range or the noise"
-        )
-    if clip_norm + TAIL * share > clipping_range:
-        return (
-            f"secagg.clipping-range: {clipping_range:g} would clamp a member's noise (std {share:.3g}) on top of an "
-            f"update of norm {clip_norm:g}; it must be at least {clip_norm + TAIL * share:.3g}"
-        )
-    return None
+    if share >= 1000 * step:
+        return None
+    return (
+        f"secagg.quantization-range: a member's noise (std {share:.3g}) is less than 1,000 of SecAgg+'s grid "
+        f"steps ({step:.3g}); raise the quantisation range or the noise"
+    )
+
+
+def clamp_problem(share: float, clip_norm: float, clipping_range: float) -> str | None:
+    """Why SecAgg+'s clamp to +-clipping_range would cut the tail of a member's noise of std ``share``, or None: the
+    noise must stand TAIL standard deviations inside the range from an update of ``clip_norm`` (taken as the
+    largest value a coordinate can reach)."""
+    if clip_norm + TAIL * share <= clipping_range:
+        return None
+    return (
+        f"secagg.clipping-range: {clipping_range:g} would clamp a member's noise (std {share:.3g}) on top of an "
+        f"update of norm {clip_norm:g}; it must be at least {clip_norm + TAIL * share:.3g}"
+    )
+
+
+def quantisation_problem(share: float, clip_norm: float, clipping_range: float, quantization_range: int) -> str | None:
+    """Why SecAgg+'s clamping or rounding would change distributed noise of per-member ``share``, or None
+    (``grid_problem``, then ``clamp_problem``)."""
+    return grid_problem(share, clipping_range, quantization_range) or clamp_problem(share, clip_norm, clipping_range)

@@ -16,29 +16,25 @@ from typing import Any
 import numpy as np
 
 from common.config import RunConfig
-from common.logs import get_logger
 from common.privacy import (
     DP_CLIP_NORM,
     DP_NOISE_STD,
     epsilon_of,
     fewest_members,
-    noise_for_target,
     noise_norm_bound,
     quantisation_problem,
     share_std,
+    sum_std,
     with_noise,
 )
 from common.secure_bounds import reconstruction_threshold
 from strategies.base import WEIGHT_EQUALLY, Group, GroupResult
 
-log = get_logger("tessera.server")
-
 
 def noise_multiplier(cfg: RunConfig) -> float:
     """z for this run: ``dp.noise-multiplier``, else the least that spends ``dp.target-epsilon`` in
     ``num-server-rounds`` rounds."""
-    dp = cfg.dp
-    return dp.noise_multiplier or noise_for_target(dp.target_epsilon, dp.delta, cfg.num_server_rounds)
+    return cfg.dp.planned_noise(cfg.num_server_rounds)
 
 
 def stop_reason(cfg: RunConfig, spent: Sequence[float], server_round: int) -> str | None:
@@ -81,7 +77,7 @@ def add_central_noise(cfg: RunConfig, results: list[GroupResult], rng: np.random
     z = noise_multiplier(cfg)
     for result in results:
         if result.mean is not None and result.contributors:
-            result.mean = with_noise(result.mean, z * cfg.dp.clip_norm / len(result.contributors), rng)
+            result.mean = with_noise(result.mean, sum_std(z, cfg.dp.clip_norm) / len(result.contributors), rng)
 
 
 def distance_allowance(group: Group, contributors: int, dimension: int) -> float:
