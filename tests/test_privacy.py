@@ -135,6 +135,21 @@ def test_distributed_noise_survives_secaggs_quantisation(survivors):
     assert abs(np.mean(noise)) < 4 * math.sqrt(survivors) * share / math.sqrt(n)  # unbiased
 
 
+def test_a_round_whose_group_share_is_finer_than_secaggs_grid_is_refused_before_it_trains():
+    cfg = load_run_config(
+        {
+            "secure": True,
+            "min-train-replies": 3,
+            "dp.mode": "distributed",
+            "dp.noise-multiplier": 1.0,
+            "dp.clip-norm": 0.01,
+        }
+    )  # fine for 3 shares (0.0058 against a step of 3.8e-6), too fine for the threshold of 100 members
+    privacy.prepare(cfg, [Group("small", {n: {} for n in range(3)})])
+    with pytest.raises(ValueError, match="secagg.quantization-range"):
+        privacy.prepare(cfg, [Group("large", {n: {} for n in range(100)})])
+
+
 def test_a_quantisation_that_would_change_the_noise_is_refused():
     assert "quantization-range" in quantisation_problem(1e-6, 1.0, 8.0, 2**22)
     assert "clipping-range" in quantisation_problem(2.0, 1.0, 8.0, 2**22)
