@@ -159,13 +159,23 @@ def test_vemoe_resumes_after_a_kill_with_its_pool_and_prune_counters(tiny_llama_
 def test_vemoe_with_a_personal_lora_sends_only_the_pool_and_every_loss_falls(tiny_llama_dir, tmp_path):
     """``vemoe.personal-lora``: the same secure federation with a personal LoRA beside the pool. The server's pool
     has the plain pool's names only (the personal LoRA never travels), every client's loss falls, and each client
-    saves its personal LoRA as a PEFT directory."""
+    saves its personal LoRA as a PEFT directory. With ``vemoe.birth-spread``, clients no expert serves distinctively
+    (a random tiny model tells its experts apart by little: r close to uniform) vote through the sum, and the server
+    gives birth from the vote count alone in round 2 (round 1's tie never votes)."""
     run_dir = tmp_path / "run"
     extra = {"secure": True, "num-server-rounds": 2, "vemoe.personal-lora": True, "personal.r": 2}
+    extra |= {"vemoe.birth-spread": 0.5, "vemoe.birth-min-votes": 2}
     run_in_child("test_toy_strategy", "run_in_process", config(tiny_llama_dir, run_dir, **extra), 3)
     rows = _rows(run_dir)
     trained = [r for r in rows if r["round"] > 0 and r["node"] is not None]
     assert len(trained) == 6 and all(r["accepted"] for r in trained)
+    pools = {r["round"]: r["vemoe"] for r in rows if r["node"] is None and "vemoe" in r}
+    assert not [e for e in pools[1]["events"] if e["kind"] == "birth"]  # round 1: the experts tie, nobody votes
+    births = [e for e in pools[2]["events"] if e["kind"] == "birth"]
+    assert births and births[0]["slot"] == 3 and births[0]["votes"] >= 2, pools[2]
+    assert pools[2]["experts"] == 4 and pools[2]["active"][3]
+    newborn = _pool(run_dir)[3]  # the voters' candidates' mean: a trained expert, not a fresh one (B = 0)
+    assert any(np.any(v) for n, v in newborn.items() if ".lora_B." in n)
     for expert in _pool(run_dir):
         assert all(name.startswith("model.layers.") and ".lora_" in name for name in expert), sorted(expert)[:3]
     loss = {(r["partition_id"], r["round"]): r["eval_loss"] for r in rows if r["node"] is not None}
