@@ -16,8 +16,9 @@ from server_app.offenders import refuse_unsound_sums
 from strategies.atlas.ranks import mask_problem
 from strategies.base import ClientInfo, GroupResult
 from strategies.vemoe.config import VemoeSection
-from strategies.vemoe.pool import RESPONSIBILITY, VOTE, client_payload, sum_problem
+from strategies.vemoe.pool import client_payload, sum_problem
 from strategies.vemoe.server import VEMoE
+from strategies.vemoe.wire import GAP, MOVE, RESPONSIBILITY, VOTE
 
 
 @pytest.fixture
@@ -51,6 +52,9 @@ def test_honest_vemoe_sums_pass(vemoe_server):
         (lambda p: {**p, RESPONSIBILITY: np.array([-8.0, 9.0, 0, 0], np.float32)}, "outside"),
         (lambda p: {**p, RESPONSIBILITY: np.array([0.5, 0.0, 0.5, 0], np.float32)}, "free slot"),
         (lambda p: {**p, RESPONSIBILITY: np.array([2.0, 1.0, 0, 0], np.float32)}, "sum to"),
+        # a probe gap of -1e3 would make two experts look alike (a merge by the functional distance)
+        (lambda p: {**p, GAP: np.full(16, -1e3, np.float32)}, "probe gap"),
+        (lambda p: {**p, MOVE: np.full(4, 1e3, np.float32)}, "probe move"),
     ],
 )
 def test_a_vemoe_sum_no_honest_members_send_is_refused_and_the_pool_kept(vemoe_server, tamper, says):

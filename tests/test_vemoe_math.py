@@ -141,10 +141,37 @@ def test_merge_finds_near_duplicates_and_weights_by_responsibility():
     other = expert(rng)
     experts = [a, other, twin, expert(rng)]
     pairs = merge_pairs(experts, np.array([True, True, True, False]), threshold=0.95)
-    assert [(k, m) for k, m, _ in pairs] == [(0, 2)] and pairs[0][2] == pytest.approx(1.0)
+    assert [(k, m) for k, m, _ in pairs] == [(0, 2)] and pairs[0][2]["cosine"] == pytest.approx(1.0)
     merged = merge(a, twin, r_kept=3.0, r_merged=1.0)
     expected = 0.75 * delta_w(a) + 0.25 * delta_w(twin)
     np.testing.assert_allclose(delta_w(merged), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_functional_distance_merges_experts_that_serve_the_clients_alike_whatever_their_a():
+    """Two experts with independent random A (delta-W cosine near 0) that every client's probe finds equally good are
+    one function: distance 0 from the payload sum, merged; an expert that serves other clients is far; fresh experts
+    (B = 0, tied on every probe) are never called alike."""
+    from strategies.vemoe.pool import functional_distance, probe_report
+    from strategies.vemoe.wire import GAP, MOVE
+
+    rng = np.random.default_rng(7)
+    experts = [expert(rng), expert(rng), expert(rng)]
+    active = np.array([True, True, True])
+    base = [3.0, 3.0, 3.0, 3.0]  # each client's probe loss with no expert routed
+    probes = [[2.0, 2.0, 2.9], [2.5, 2.5, 2.95], [2.9, 2.9, 2.0], [2.8, 2.8, 2.1]]  # 0 and 1 alike, 2 serves others
+    reports = [probe_report(np.array(loss), b) for loss, b in zip(probes, base)]
+    gap_sum, move_sum = (sum(rep[key] for rep in reports) for key in (GAP, MOVE))
+    d = functional_distance(gap_sum, move_sum)
+    assert d[0, 1] == pytest.approx(0.0, abs=1e-6) and d[0, 2] > 0.5 and d[1, 2] == pytest.approx(d[0, 2])
+    assert merge_pairs(experts, active, 0.95) == []  # by delta-W cosine, independent experts never look alike
+    pairs = merge_pairs(experts, active, 0.95, d, max_distance=0.1)
+    assert [(k, m) for k, m, _ in pairs] == [(0, 1)] and pairs[0][2]["distance"] == pytest.approx(0.0, abs=1e-6)
+    assert merge_pairs(experts, active, 0.95, d, max_distance=0.0) == []  # 0: the functional rule is off
+    fresh = sum(probe_report(np.array([3.0, 3.0, 3.0]), 3.0)[key] for key in (MOVE,))
+    assert np.isnan(functional_distance(np.zeros(9), fresh)).all()  # round 1: a tie is not similarity
+    capped = probe_report(np.array([1.0, 9.0, np.nan]), 9.5)  # a free slot reports nothing; values capped
+    assert capped[GAP].reshape(3, 3)[0, 1] == 4.0 and capped[MOVE].tolist() == [4.0, 0.5, 0.0]
+    assert not capped[GAP].reshape(3, 3)[:, 2].any()
 
 
 def test_a_merged_expert_computes_the_mean_delta_w_not_the_mean_of_its_factors():

@@ -171,3 +171,32 @@ def test_with_summed_likelihood_the_server_sends_a_counted_prior_that_never_zero
     plain = VEMoE(ExpertsSection(k_max=K, r=2, top_m=2), VemoeSection(k_init=2))
     plain.initialise({1: ClientInfo(1, 1, "smol", join_slots([expert(rng) for _ in range(K)]))})
     assert PRIOR not in plain.train_groups(1, [1])[0].config  # the default (mean) sends none
+
+
+def test_experts_the_clients_probes_find_alike_merge_by_functional_distance():
+    """Two experts with independent random A (delta-W cosine far below the threshold) that every client's probe
+    finds equally good merge when ``vemoe.merge-distance`` is on; the event carries the distance, the report every
+    measured pair's; with it off (the default), nothing merges."""
+    for merge_distance, merges in ((0.1, True), (0.0, False)):
+        rng = np.random.default_rng(3)
+        strategy = VEMoE(
+            ExpertsSection(k_max=K, r=2, top_m=2),
+            VemoeSection(k_init=3, merge_threshold=0.99, merge_distance=merge_distance),
+        )
+        strategy.initialise(
+            {nid: ClientInfo(nid, nid, "smol", join_slots([expert(rng) for _ in range(K)])) for nid in (11, 12, 13)}
+        )
+        template = strategy.experts[0]
+        probes = [[2.0, 2.02, 2.9, np.nan], [2.5, 2.49, 2.95, np.nan], [2.9, 2.9, 2.0, np.nan]]
+        payloads = [
+            client_payload(
+                {0: expert(rng), 2: expert(rng)}, np.array([0.5, 0, 0.5, 0]), template, probe=(np.array(p), 3.0)
+            )
+            for p in probes
+        ]
+        strategy.update(1, [GroupResult("pool", mean_of(payloads), 3.0, [11, 12, 13])])
+        report = strategy.report()["vemoe"]
+        assert set(report["distance"]) == {"0,1", "0,2", "1,2"} and report["distance"]["0,1"] < 0.05
+        events = [(e["kind"], e["slot"], e.get("into")) for e in report["events"]]
+        assert events == ([("merge", 1, 0)] if merges else []), events
+        assert strategy.active.tolist() == ([True, False, True, False] if merges else [True, True, True, False])

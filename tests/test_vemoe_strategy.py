@@ -174,6 +174,8 @@ def test_vemoe_with_a_personal_lora_sends_only_the_pool_and_every_loss_falls(tin
     births = [e for e in pools[2]["events"] if e["kind"] == "birth"]
     assert births and births[0]["slot"] == 3 and births[0]["votes"] >= 2, pools[2]
     assert pools[2]["experts"] == 4 and pools[2]["active"][3]
+    # the functional distance from the probe sums: none on round 1's tie (fresh experts), every pair by round 2
+    assert pools[1]["distance"] == {} and set(pools[2]["distance"]) == {"0,1", "0,2", "1,2"}, pools[2]
     newborn = _pool(run_dir)[3]  # the voters' candidates' mean: a trained expert, not a fresh one (B = 0)
     assert any(np.any(v) for n, v in newborn.items() if ".lora_B." in n)
     for expert in _pool(run_dir):

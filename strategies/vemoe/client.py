@@ -31,7 +31,18 @@ from ..client import ClientRuntime, StrategyClient
 from .config import VemoeSection
 from .pool import client_payload
 from .routing import gain_shares, responsibilities, tied, top_m, unserved
-from .wire import BIRTH_SLOT, PROBE_METRIC, R_METRIC, RESPONSIBILITY, TOP_METRIC, VOTE, VOTE_METRIC, read_prior
+from .wire import (
+    BIRTH_SLOT,
+    GAP,
+    MOVE,
+    PROBE_METRIC,
+    R_METRIC,
+    RESPONSIBILITY,
+    TOP_METRIC,
+    VOTE,
+    VOTE_METRIC,
+    read_prior,
+)
 
 log = get_logger("tessera.client")
 ROUTE = "vemoe.route"  # client state: this client's responsibilities (K_max) and the best probe loss it has seen
@@ -52,6 +63,7 @@ class VEMoEClient(StrategyClient):
         self.top: list[int] = []
         self.vote = False
         self.losses = np.full(self.pool.k_max, np.nan)  # this round's probe loss per slot (NaN: free slot)
+        self.base_loss = np.nan  # the probe loss with no expert routed (the experts' moves are measured from it)
 
     def _experts(self, rt: ClientRuntime) -> ExpertsAdapter:
         if not isinstance(rt.adapter, ExpertsAdapter):
@@ -60,14 +72,20 @@ class VEMoEClient(StrategyClient):
 
     def wire_reference(self, rt: ClientRuntime, config: dict[str, Any]) -> Arrays:
         k_max = self.pool.k_max
-        return {**rt.adapter.initial, RESPONSIBILITY: np.zeros(k_max, np.float32), VOTE: np.zeros(1, np.float32)}
+        zero = {RESPONSIBILITY: np.zeros(k_max, np.float32), VOTE: np.zeros(1, np.float32)}
+        return {
+            **rt.adapter.initial,
+            **zero,
+            GAP: np.zeros(k_max * k_max, np.float32),
+            MOVE: np.zeros(k_max, np.float32),
+        }
 
     def start(self, rt: ClientRuntime, received: Arrays | None) -> Arrays | None:
         """The experts for the adapter; the active slots (sent as ``responsibility``: 1 or 0) kept for ``ready``."""
         if received is None:
             return None
         self.active = np.asarray(received[RESPONSIBILITY]) > 0.5
-        return {k: v for k, v in received.items() if k not in (RESPONSIBILITY, VOTE)}
+        return {k: v for k, v in received.items() if k not in (RESPONSIBILITY, VOTE, GAP, MOVE)}
 
     def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
         self.birth_slot = int(config.get(BIRTH_SLOT, -1))
@@ -78,6 +96,7 @@ class VEMoEClient(StrategyClient):
         kept = rt.state.get(ROUTE)
         if training or kept is None or not np.all(self.active[np.asarray(kept["r"]) > 0]):
             losses = self.losses = self._probe(rt)
+            self.base_loss = self._base_loss(rt) if training else np.nan
             self.r = self._responsibilities(rt, losses)
             best = float(np.min(losses[self.active]))
             before = float(kept["best"][0]) if kept is not None else np.inf
@@ -107,6 +126,11 @@ class VEMoEClient(StrategyClient):
         rng = random.Random(rt.cfg.seed * 7919 + rt.partition_id)
         return rng.sample(rt.train, min(self.vemoe.probe_examples, len(rt.train)))
 
+    def _base_loss(self, rt: ClientRuntime) -> float:
+        """The probe loss with no expert routed: each expert's move (what the functional distance is relative to)."""
+        batch, max_len = self._batch(rt), rt.cfg.train.max_seq_len
+        return self._experts(rt).probe_loss(None, lambda model: batch_loss(model, rt.tokenizer, batch, max_len))
+
     def _probe(self, rt: ClientRuntime, gains: bool = False) -> np.ndarray:
         """Each active expert's loss on the probe batch (``gains``: its first-order gain, ``probe_gain``)."""
         batch = self._batch(rt)
@@ -126,7 +150,12 @@ class VEMoEClient(StrategyClient):
         best = max(self.top, key=lambda k: r[k])
         candidate = slots[best] if self.vote else None
         payload = client_payload(
-            {k: slots[k] for k in self.top}, r, slots[0], self.birth_slot if self.vote else None, candidate
+            {k: slots[k] for k in self.top},
+            r,
+            slots[0],
+            self.birth_slot if self.vote else None,
+            candidate,
+            probe=(self.losses, self.base_loss),
         )
         # what routing decided (probe loss per slot, -1 for a free one; r; the top-m; the vote), so that separation
         # is measured; which experts a client uses and whether it voted are exactly what SecAgg+ hides: said in the

@@ -44,6 +44,10 @@ class VemoeSection(Section):
     prune_threshold: float = Field(0.05, ge=0, lt=1, allow_inf_nan=False)  # share of the round's responsibility
     prune_patience: int = Field(2, ge=1)  # rounds below prune-threshold before the slot is freed
     merge_threshold: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)  # cosine of delta-W above which two merge
+    # > 0: two experts also merge when their functional distance on the clients' probes is below this: their probe
+    # losses differ, summed over clients, by less than this share of how far each moved them from the base model
+    # (scale-free whatever each slot's random A; delta-W cosines of experts doing the same job are 0.01-0.1). 0: off
+    merge_distance: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     # a personal LoRA (``personal.*``) beside the pool, trained every round and never sent (adapter kind
     # ``experts-dual``): what is the client's own stays out of the experts, which are averaged across clients
     personal_lora: bool = False

@@ -8,7 +8,8 @@ slot the server named for births (where every r_ik is 0, so nothing else is ther
 shape of the pool. From the sum over clients alone the server sets theta_k = sum_i r_ik theta_ik / sum_i r_ik,
 learns each expert's total responsibility sum_i r_ik and the newborn sum_i v_i c_i / sum_i v_i, never which
 client uses which expert or voted. The expert ratios hold for group MEANS too (the common 1/n cancels); the vote
-count needs the sum.
+count needs the sum. Beside them each client sends its probe's loss gaps between active experts and each expert's
+move from the base model, whose sums give the functional distance a merge can be judged by.
 
 A LoRA expert is a dict of peft arrays (``...lora_A.weight`` / ``...lora_B.weight`` per layer).
 """
@@ -22,7 +23,7 @@ import numpy as np
 from common.adapters.experts.adapter import slot_prefix
 from common.adapters.lora.ranks import layers
 
-from .wire import RESPONSIBILITY, VOTE
+from .wire import GAP, MOVE, RESPONSIBILITY, VOTE
 
 Arrays = dict[str, np.ndarray]
 
@@ -38,10 +39,13 @@ def client_payload(
     template: Arrays,
     birth_slot: int | None = None,
     candidate: Arrays | None = None,
+    probe: tuple[np.ndarray, float] | None = None,
 ) -> Arrays:
     """One client's payload: r_k * theta_k for every slot (``trained`` holds the experts it trained, by slot; any
     other slot is zeros), r and the vote; a voter (``candidate`` given) puts its candidate into ``birth_slot``, a
-    slot where r is 0. Every array has ``template``'s names and shapes, so every payload has the same length."""
+    slot where r is 0; ``probe`` (each slot's probe loss, NaN where free; the loss with no expert) gives
+    ``probe_report``'s gaps and moves (zeros without). Every array has ``template``'s names and shapes, so every
+    payload has the same length."""
     r = np.asarray(r, dtype=np.float64)
     if r.ndim != 1 or np.any(r < 0) or not np.isclose(r.sum(), 1.0):
         raise ValueError(f"responsibilities must be >= 0 and sum to 1, got {r.tolist()}")
@@ -62,7 +66,44 @@ def client_payload(
             out[slot_key(slot, name)] = np.asarray(value, dtype=np.float32)
     out[RESPONSIBILITY] = r.astype(np.float32)
     out[VOTE] = np.array([0.0 if candidate is None else 1.0], dtype=np.float32)
+    out |= probe_report(np.full(len(r), np.nan) if probe is None else probe[0], np.nan if probe is None else probe[1])
     return out
+
+
+GAP_MAX = 4.0  # nats per answer token: a gap or move is capped here, inside SecAgg+'s clipping range (8 by default)
+
+
+def probe_report(losses: np.ndarray, base: float) -> Arrays:
+    """A client's share of the functional distance: |L_k - L_l| for every pair of slots with a probe loss (K x K,
+    flattened) and |L_base - L_k| per slot, ``L_base`` its probe loss with no expert routed; capped at ``GAP_MAX``
+    (so one member moves a mean by at most GAP_MAX / n), 0 where a slot has no loss (free, or no probe)."""
+    losses = np.asarray(losses, dtype=np.float64)
+    probed = np.isfinite(losses)
+    if not np.isfinite(base):
+        probed[:] = False
+    filled = np.where(probed, losses, 0.0)
+    gaps = np.where(probed[:, None] & probed[None, :], np.abs(filled[:, None] - filled[None, :]), 0.0)
+    moves = np.where(probed, np.abs(base - filled) if np.isfinite(base) else 0.0, 0.0)
+    return {
+        GAP: np.minimum(gaps, GAP_MAX).ravel().astype(np.float32),
+        MOVE: np.minimum(moves, GAP_MAX).astype(np.float32),
+    }
+
+
+def functional_distance(gap_sum: np.ndarray, move_sum: np.ndarray, min_move: float = 1e-3) -> np.ndarray:
+    """d_kl = sum_i |L_ik - L_il| / ((sum_i |L_base,i - L_ik| + sum_i |L_base,i - L_il|) / 2) from the payload sums:
+    how differently two experts serve the clients' probe batches, relative to how far each moved them from the base
+    model (0: the same function on every client's data; 1: they differ as much as either differs from the base).
+    Scale-free, whatever each slot's random A: delta-W cosines between experts that do the same job are 0.01-0.1,
+    each expert living in its own subspace. NaN (never merged) where either expert moved the clients by less than
+    ``min_move`` a client on average: fresh experts (B = 0) tie exactly, which is not similarity."""
+    moves = np.asarray(move_sum, dtype=np.float64)
+    k = len(moves)
+    gaps = np.asarray(gap_sum, dtype=np.float64).reshape(k, k)
+    scale = (moves[:, None] + moves[None, :]) / 2
+    moved = (moves[:, None] > min_move) & (moves[None, :] > min_move)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(moved, gaps / np.where(moved, scale, 1.0), np.nan)
 
 
 SUM_TOLERANCE = 1e-3  # per member: float32 sums and SecAgg+'s quantisation (about 4e-6 a value with its defaults)
@@ -88,6 +129,10 @@ def sum_problem(total: Arrays, members: int, active: np.ndarray, tolerance: floa
         return f"free slot(s) {np.flatnonzero(free & (totals > slack)).tolist()} carry responsibility"
     if abs(totals.sum() - members) > slack:
         return f"the responsibility totals sum to {totals.sum():.4g}, not to the {members} members (each sums to 1)"
+    for key in (GAP, MOVE):  # what a merge is judged by: each member's share is in [0, GAP_MAX]
+        values = np.asarray(total.get(key, np.zeros(1)), dtype=np.float64)
+        if not np.all(np.isfinite(values)) or values.min() < -slack or values.max() > members * GAP_MAX + slack:
+            return f"the probe {key.split('-')[1]} sums are outside [0, {members} x {GAP_MAX}]"
     return None
 
 
@@ -147,23 +192,36 @@ def delta_w(expert: Arrays) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
-def merge_pairs(experts: Sequence[Arrays], active: np.ndarray, threshold: float) -> list[tuple[int, int, float]]:
-    """Pairs of active slots whose delta-W cosine exceeds ``threshold``, most similar first, each slot in at most
-    one pair: (kept slot, merged slot, cosine), the kept one the lower slot."""
+def merge_pairs(
+    experts: Sequence[Arrays],
+    active: np.ndarray,
+    threshold: float,
+    distance: np.ndarray | None = None,
+    max_distance: float = 0.0,
+) -> list[tuple[int, int, dict[str, float]]]:
+    """Pairs of active slots that compute nearly the same thing: delta-W cosine above ``threshold``, or (``distance``
+    from ``functional_distance``, ``max_distance`` > 0) a functional distance below ``max_distance``; closest first
+    (by 1 - cosine or the distance, whichever is smaller), each slot in at most one pair: (kept slot, merged slot,
+    the pair's measures), the kept one the lower slot."""
     slots = [int(k) for k in np.flatnonzero(np.asarray(active, dtype=bool))]
     vectors = {k: delta_w(experts[k]) for k in slots}
     norms = {k: float(np.linalg.norm(v)) for k, v in vectors.items()}
     scored = []
     for i, a in enumerate(slots):
         for b in slots[i + 1 :]:
-            if norms[a] > 0 and norms[b] > 0:
-                cosine = float(vectors[a] @ vectors[b] / (norms[a] * norms[b]))
-                if cosine > threshold:
-                    scored.append((cosine, a, b))
+            if not (norms[a] > 0 and norms[b] > 0):
+                continue
+            measures = {"cosine": float(vectors[a] @ vectors[b] / (norms[a] * norms[b]))}
+            if distance is not None and np.isfinite(distance[a, b]):
+                measures["distance"] = float(distance[a, b])
+            near = max_distance > 0 and measures.get("distance", np.inf) < max_distance
+            if measures["cosine"] > threshold or near:
+                gap = min(1 - measures["cosine"], measures.get("distance", np.inf))
+                scored.append((gap, a, b, measures))
     pairs, used = [], set[int]()
-    for cosine, a, b in sorted(scored, key=lambda t: (-t[0], t[1], t[2])):
+    for _, a, b, measures in sorted(scored, key=lambda t: (t[0], t[1], t[2])):
         if a not in used and b not in used:
-            pairs.append((a, b, cosine))
+            pairs.append((a, b, measures))
             used |= {a, b}
     return pairs
 

@@ -33,10 +33,12 @@ from common.plots import negative_transfer, worst_client
 from ..base import WEIGHT_EQUALLY, Arrays, ClientInfo, FinalAdapter, Group, GroupResult, Strategy
 from . import plots
 from .config import VemoeSection
-from .pool import experts_from_sum, free_slot, merge, merge_pairs, newborn, prune, sum_problem
+from .pool import experts_from_sum, free_slot, functional_distance, merge, merge_pairs, newborn, prune, sum_problem
 from .separation import separation
 from .wire import (
     BIRTH_SLOT,
+    GAP,
+    MOVE,
     PROBE_METRIC,
     R_METRIC,
     RESPONSIBILITY,
@@ -73,6 +75,7 @@ class VEMoE(Strategy):
         self.members: set[int] = set()
         self.events: list[dict[str, Any]] = []
         self.totals = np.zeros(pool.k_max)
+        self.distance = np.full((pool.k_max, pool.k_max), np.nan)  # last round's functional distances (reported)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> VEMoE:
@@ -95,6 +98,8 @@ class VEMoE(Strategy):
             **join_slots(self.experts),
             RESPONSIBILITY: self.active.astype(np.float32),
             VOTE: np.zeros(1, dtype=np.float32),
+            GAP: np.zeros(self.pool_cfg.k_max**2, dtype=np.float32),
+            MOVE: np.zeros(self.pool_cfg.k_max, dtype=np.float32),
         }
 
     def _free_slot(self) -> int:
@@ -131,7 +136,7 @@ class VEMoE(Strategy):
         if result.mean is None or not result.contributors:
             return None
         n = len(result.contributors)
-        total = {k: np.asarray(result.mean[k], dtype=np.float64) * n for k in (RESPONSIBILITY, VOTE)}
+        total = {k: np.asarray(result.mean[k], dtype=np.float64) * n for k in (RESPONSIBILITY, VOTE, GAP, MOVE)}
         problem = sum_problem(total, n, self.active)
         return f"vemoe: {problem}" if problem else None
 
@@ -145,7 +150,7 @@ class VEMoE(Strategy):
             reserved = self._free_slot()
             self.experts, self.totals = experts_from_sum(total, self.experts)
             self._prune(server_round)
-            self._merge(server_round)
+            self._merge(server_round, functional_distance(total[GAP], total[MOVE]))
             votes = float(total[VOTE][0])
             if reserved >= 0 and votes >= self.cfg.birth_min_votes:  # prune and merge only free slots: still free
                 self.experts[reserved] = newborn(total, votes, reserved, self.experts[reserved])
@@ -162,14 +167,19 @@ class VEMoE(Strategy):
         for slot in pruned:
             self._event(server_round, "prune", slot, share=float(self.totals[slot] / mass))
 
-    def _merge(self, server_round: int) -> None:
-        for kept, merged, cosine in merge_pairs(self.experts, self.active, self.cfg.merge_threshold):
+    def _merge(self, server_round: int, distance: np.ndarray) -> None:
+        """Merge near-duplicates: by delta-W cosine, or by the functional distance on this round's probes (measured
+        on the pool the clients received, i.e. before this round's update)."""
+        cfg = self.cfg
+        pairs = merge_pairs(self.experts, self.active, cfg.merge_threshold, distance, cfg.merge_distance)
+        for kept, merged, measures in pairs:
             self.experts[kept] = merge(
                 self.experts[kept], self.experts[merged], float(self.totals[kept]), float(self.totals[merged])
             )
             self.active[merged] = False
             self.low_rounds[merged] = 0
-            self._event(server_round, "merge", merged, into=kept, cosine=cosine)
+            self._event(server_round, "merge", merged, into=kept, **measures)
+        self.distance = distance
 
     def _event(self, server_round: int, kind: str, slot: int, **numbers: Any) -> None:
         event = {"round": server_round, "kind": kind, "slot": slot, **numbers}
@@ -182,6 +192,13 @@ class VEMoE(Strategy):
                 "active": self.active.astype(int).tolist(),
                 "responsibility": self.totals.round(6).tolist(),
                 "low_rounds": self.low_rounds.tolist(),  # rounds in a row below vemoe.prune-threshold
+                # each pair of active slots' functional distance on this round's probes (pool.functional_distance)
+                "distance": {
+                    f"{a},{b}": round(float(self.distance[a, b]), 4)
+                    for a in range(len(self.active))
+                    for b in range(a + 1, len(self.active))
+                    if np.isfinite(self.distance[a, b])
+                },
                 "experts": int(self.active.sum()),
                 "events": self.events,
             }

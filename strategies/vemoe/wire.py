@@ -13,6 +13,10 @@ import numpy as np
 # payload arrays, both ways: each slot's responsibility (server -> client: 1 for an active slot, 0 for a free one)
 # and the birth vote (client -> server: 0 or 1; zero from the server)
 RESPONSIBILITY, VOTE = "responsibility", "birth-vote"
+# client -> server, summed with the rest: each pair of active slots' probe-loss gap |L_k - L_l| (K_max x K_max,
+# flattened) and each active slot's move |L_base - L_k| from the client's probe loss with no expert routed: from
+# their sums the server measures how differently two experts serve the clients (``pool.functional_distance``)
+GAP, MOVE = "probe-gap", "probe-move"
 BIRTH_SLOT = "vemoe-birth-slot"  # train-instruction config: the free slot a voter puts its candidate in (-1: none)
 PRIOR = "vemoe-prior"  # train-instruction config (vemoe.likelihood = "summed"): each slot's prior, comma-joined
 # train-reply metrics (plain mode only): each slot's probe loss (-1: free), r, the routed slots, the birth vote

@@ -93,12 +93,13 @@ class ExpertsAdapter(AdapterBase):
         routing_of(self.model).route(slots, r)
 
     @torch.no_grad()
-    def probe_loss(self, slot: int, loss_of: Any) -> float:
-        """``loss_of(model)`` with every token routed to expert ``slot`` alone: how well it serves a probe batch."""
+    def probe_loss(self, slot: int | None, loss_of: Any) -> float:
+        """``loss_of(model)`` with every token routed to expert ``slot`` alone: how well it serves a probe batch
+        (``slot`` None: no expert routed, what the experts are measured from)."""
         routing = routing_of(self.model)
         before = (routing.slots, routing.log_r)
         try:
-            routing.route([slot], [1.0])
+            routing.route(*(([], []) if slot is None else ([slot], [1.0])))
             return float(loss_of(self.model))
         finally:
             routing.slots, routing.log_r = before
