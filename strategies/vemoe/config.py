@@ -46,7 +46,8 @@ class VemoeSection(Section):
     merge_threshold: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)  # cosine of delta-W above which two merge
     # > 0: two experts also merge when their functional distance on the clients' probes is below this: their probe
     # losses differ, summed over clients, by less than this share of how far each moved them from the base model
-    # (scale-free whatever each slot's random A; delta-W cosines of experts doing the same job are 0.01-0.1). 0: off
+    # (scale-free whatever each slot's random A: measured delta-W cosines are 0.01-0.1 whether two experts serve one
+    # category or different ones; the distance is about 1 between experts of different categories). 0: off
     merge_distance: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     # a personal LoRA (``personal.*``) beside the pool, trained every round and never sent (adapter kind
     # ``experts-dual``): what is the client's own stays out of the experts, which are averaged across clients

@@ -94,9 +94,11 @@ def functional_distance(gap_sum: np.ndarray, move_sum: np.ndarray, min_move: flo
     """d_kl = sum_i |L_ik - L_il| / ((sum_i |L_base,i - L_ik| + sum_i |L_base,i - L_il|) / 2) from the payload sums:
     how differently two experts serve the clients' probe batches, relative to how far each moved them from the base
     model (0: the same function on every client's data; 1: they differ as much as either differs from the base).
-    Scale-free, whatever each slot's random A: delta-W cosines between experts that do the same job are 0.01-0.1,
-    each expert living in its own subspace. NaN (never merged) where either expert moved the clients by less than
-    ``min_move`` a client on average: fresh experts (B = 0) tie exactly, which is not similarity."""
+    Scale-free, whatever each slot's random A: measured delta-W cosines are 0.01-0.1 whether two experts serve one
+    category or different ones (each lives in its own subspace); this distance was 0.9-1.3 between the oracle's
+    category experts and 0.01-0.2 between experts every category shared (``ni-categories``). NaN (never merged)
+    where either expert moved the clients by less than ``min_move`` a client on average: fresh experts (B = 0) tie
+    exactly, which is not similarity."""
     moves = np.asarray(move_sum, dtype=np.float64)
     k = len(moves)
     gaps = np.asarray(gap_sum, dtype=np.float64).reshape(k, k)
