@@ -97,7 +97,7 @@ def functional_distance(gap_sum: np.ndarray, move_sum: np.ndarray, min_move: flo
     Scale-free, whatever each slot's random A: measured delta-W cosines are 0.01-0.1 whether two experts serve one
     category or different ones (each lives in its own subspace); this distance was 0.9-1.3 between the oracle's
     category experts and 0.01-0.2 between experts every category shared (``ni-categories``). NaN (never merged)
-    where either expert moved the clients by less than ``min_move`` a client on average: fresh experts (B = 0) tie
+    where either expert moved the clients' probe losses by less than ``min_move`` in all: fresh experts (B = 0) tie
     exactly, which is not similarity."""
     moves = np.asarray(move_sum, dtype=np.float64)
     k = len(moves)
