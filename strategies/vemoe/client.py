@@ -7,11 +7,11 @@ best it has seen in earlier rounds on the same probe batch (the pool has drifted
 ``vemoe.birth-spread`` > 0, when no expert serves it distinctively (its r as spread as that share of uniform:
 ``routing.unserved``; never on round 1's tie); its candidate is its trained copy of its best expert.
 
-In round 1 every expert still computes the base model (B = 0), so the probe losses tie exactly: by default the tie
-goes in a per-client order (clients spread over the experts); with ``vemoe.first-round = "gradient"`` r is each
-expert's share of the first-order gain a step on it offers (the squared gradient of the probe loss in its B,
-``routing.gain_shares``), which differs by slot (each has its own random A) and follows the client's data. Its
-responsibilities and best loss stay in its state, so an evaluation routes as its training did.
+In round 1 every expert still computes the base model (B = 0), so the probe losses tie exactly: by default
+(``vemoe.first-round = "gradient"``) r is each expert's share of the first-order gain a step on it offers (the
+squared gradient of the probe loss in its B, ``routing.gain_shares``), which differs by slot (each has its own random
+A) and follows the client's data; with ``"spread"`` the tie goes in a per-client order. Its responsibilities and best
+loss stay in its state, so an evaluation routes as its training did.
 """
 
 from __future__ import annotations
