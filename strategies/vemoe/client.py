@@ -31,18 +31,7 @@ from ..client import ClientRuntime, StrategyClient
 from .config import VemoeSection
 from .pool import client_payload
 from .routing import gain_shares, responsibilities, tied, top_m, unserved
-from .wire import (
-    BIRTH_SLOT,
-    GAP,
-    MOVE,
-    PROBE_METRIC,
-    R_METRIC,
-    RESPONSIBILITY,
-    TOP_METRIC,
-    VOTE,
-    VOTE_METRIC,
-    read_prior,
-)
+from .wire import BESIDE_POOL, BIRTH_SLOT, RESPONSIBILITY, beside_pool, read_prior, routing_metrics
 
 log = get_logger("tessera.client")
 ROUTE = "vemoe.route"  # client state: this client's responsibilities (K_max) and the best probe loss it has seen
@@ -71,21 +60,14 @@ class VEMoEClient(StrategyClient):
         return rt.adapter
 
     def wire_reference(self, rt: ClientRuntime, config: dict[str, Any]) -> Arrays:
-        k_max = self.pool.k_max
-        zero = {RESPONSIBILITY: np.zeros(k_max, np.float32), VOTE: np.zeros(1, np.float32)}
-        return {
-            **rt.adapter.initial,
-            **zero,
-            GAP: np.zeros(k_max * k_max, np.float32),
-            MOVE: np.zeros(k_max, np.float32),
-        }
+        return {**rt.adapter.initial, **beside_pool(self.pool.k_max)}
 
     def start(self, rt: ClientRuntime, received: Arrays | None) -> Arrays | None:
         """The experts for the adapter; the active slots (sent as ``responsibility``: 1 or 0) kept for ``ready``."""
         if received is None:
             return None
         self.active = np.asarray(received[RESPONSIBILITY]) > 0.5
-        return {k: v for k, v in received.items() if k not in (RESPONSIBILITY, VOTE, GAP, MOVE)}
+        return {k: v for k, v in received.items() if k not in BESIDE_POOL}
 
     def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
         self.birth_slot = int(config.get(BIRTH_SLOT, -1))
@@ -160,12 +142,7 @@ class VEMoEClient(StrategyClient):
         # what routing decided (probe loss per slot, -1 for a free one; r; the top-m; the vote), so that separation
         # is measured; which experts a client uses and whether it voted are exactly what SecAgg+ hides: said in the
         # clear only, kept in the client's own log in secure mode
-        routing = {
-            PROBE_METRIC: [round(float(x), 6) if np.isfinite(x) else -1.0 for x in self.losses],
-            R_METRIC: [round(float(x), 6) for x in self.r],
-            TOP_METRIC: list(self.top),
-            VOTE_METRIC: int(self.vote),
-        }
+        routing = routing_metrics(self.losses, self.r, self.top, self.vote)
         if self.cfg.secure:
             log.info("vemoe routing (kept on this client): %s", routing)
         return payload, {} if self.cfg.secure else routing

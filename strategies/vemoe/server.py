@@ -35,18 +35,7 @@ from . import plots
 from .config import VemoeSection
 from .pool import experts_from_sum, free_slot, functional_distance, merge, merge_pairs, newborn, prune, sum_problem
 from .separation import separation
-from .wire import (
-    BIRTH_SLOT,
-    GAP,
-    MOVE,
-    PROBE_METRIC,
-    R_METRIC,
-    RESPONSIBILITY,
-    TOP_METRIC,
-    VOTE,
-    VOTE_METRIC,
-    prior_config,
-)
+from .wire import BESIDE_POOL, BIRTH_SLOT, GAP, MOVE, REPLY_METRICS, VOTE, beside_pool, prior_config
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -63,7 +52,7 @@ class VEMoE(Strategy):
 
     name = "vemoe"
     # plain mode only: each slot's probe loss (-1: free) and responsibility, the routed slots, the birth vote
-    reply_metrics = {PROBE_METRIC: float, R_METRIC: float, TOP_METRIC: int, VOTE_METRIC: None}
+    reply_metrics = REPLY_METRICS
 
     def __init__(self, pool: ExpertsSection, cfg: VemoeSection) -> None:
         self.pool_cfg, self.cfg = pool, cfg
@@ -94,13 +83,7 @@ class VEMoE(Strategy):
             self.members.add(nid)
 
     def _start(self) -> Arrays:
-        return {
-            **join_slots(self.experts),
-            RESPONSIBILITY: self.active.astype(np.float32),
-            VOTE: np.zeros(1, dtype=np.float32),
-            GAP: np.zeros(self.pool_cfg.k_max**2, dtype=np.float32),
-            MOVE: np.zeros(self.pool_cfg.k_max, dtype=np.float32),
-        }
+        return {**join_slots(self.experts), **beside_pool(self.pool_cfg.k_max, self.active)}
 
     def _free_slot(self) -> int:
         """The slot a birth would take this round (the lowest free one), -1 when the pool is full."""
@@ -136,7 +119,7 @@ class VEMoE(Strategy):
         if result.mean is None or not result.contributors:
             return None
         n = len(result.contributors)
-        total = {k: np.asarray(result.mean[k], dtype=np.float64) * n for k in (RESPONSIBILITY, VOTE, GAP, MOVE)}
+        total = {k: np.asarray(result.mean[k], dtype=np.float64) * n for k in BESIDE_POOL}
         problem = sum_problem(total, n, self.active)
         return f"vemoe: {problem}" if problem else None
 

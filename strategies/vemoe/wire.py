@@ -32,3 +32,31 @@ def read_prior(config: Mapping[str, Any]) -> np.ndarray | None:
     """The prior a train instruction carries (None: none, the plain softmax)."""
     prior = str(config.get(PRIOR, ""))
     return np.array([float(x) for x in prior.split(",")]) if prior else None
+
+
+BESIDE_POOL = (RESPONSIBILITY, VOTE, GAP, MOVE)  # the payload's arrays that are not an expert
+# what each reply metric holds (the ServerApp checks a plain-mode reply's metrics against it)
+REPLY_METRICS: dict[str, type | None] = {PROBE_METRIC: float, R_METRIC: float, TOP_METRIC: int, VOTE_METRIC: None}
+
+
+def beside_pool(k_max: int, active: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The payload's arrays beside the experts, zero (``active``: the server's 1 / 0 per slot as the
+    responsibility): one shape both ways, as SecAgg+ needs."""
+    responsibility = np.zeros(k_max) if active is None else np.asarray(active)
+    return {
+        RESPONSIBILITY: responsibility.astype(np.float32),
+        VOTE: np.zeros(1, np.float32),
+        GAP: np.zeros(k_max * k_max, np.float32),
+        MOVE: np.zeros(k_max, np.float32),
+    }
+
+
+def routing_metrics(losses: np.ndarray, r: np.ndarray, top: list[int], vote: bool) -> dict[str, Any]:
+    """What routing decided, as a plain-mode train reply's metrics: each slot's probe loss (-1: free), r, the
+    routed slots and the vote."""
+    return {
+        PROBE_METRIC: [round(float(x), 6) if np.isfinite(x) else -1.0 for x in losses],
+        R_METRIC: [round(float(x), 6) for x in r],
+        TOP_METRIC: list(top),
+        VOTE_METRIC: int(vote),
+    }
