@@ -17,6 +17,7 @@ loss stay in its state, so an evaluation routes as its training did.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -108,20 +109,22 @@ class VEMoEClient(StrategyClient):
         rng = random.Random(rt.cfg.seed * 7919 + rt.partition_id)
         return rng.sample(rt.train, min(self.vemoe.probe_examples, len(rt.train)))
 
+    def _probe_loss_of(self, rt: ClientRuntime) -> Callable[[Any], Any]:
+        """The loss on this client's probe batch, as a function of the model (what every probe measures)."""
+        batch, max_len = self._batch(rt), rt.cfg.train.max_seq_len
+        return lambda model: batch_loss(model, rt.tokenizer, batch, max_len)
+
     def _base_loss(self, rt: ClientRuntime) -> float:
         """The probe loss with no expert routed: each expert's move (what the functional distance is relative to)."""
-        batch, max_len = self._batch(rt), rt.cfg.train.max_seq_len
-        return self._experts(rt).probe_loss(None, lambda model: batch_loss(model, rt.tokenizer, batch, max_len))
+        return self._experts(rt).probe_loss(None, self._probe_loss_of(rt))
 
     def _probe(self, rt: ClientRuntime, gains: bool = False) -> np.ndarray:
         """Each active expert's loss on the probe batch (``gains``: its first-order gain, ``probe_gain``)."""
-        batch = self._batch(rt)
-        max_len = rt.cfg.train.max_seq_len
-        adapter = self._experts(rt)
+        adapter, loss_of = self._experts(rt), self._probe_loss_of(rt)
+        measure = adapter.probe_gain if gains else adapter.probe_loss
         losses = np.full(self.pool.k_max, np.nan)
         for slot in np.flatnonzero(self.active):
-            measure = adapter.probe_gain if gains else adapter.probe_loss
-            losses[slot] = measure(int(slot), lambda model: batch_loss(model, rt.tokenizer, batch, max_len))
+            losses[slot] = measure(int(slot), loss_of)
         return losses
 
     def outgoing(self, rt: ClientRuntime, arrays: Arrays) -> tuple[Arrays, dict[str, Any]]:

@@ -132,7 +132,7 @@ def sum_problem(total: Arrays, members: int, active: np.ndarray, tolerance: floa
     if abs(totals.sum() - members) > slack:
         return f"the responsibility totals sum to {totals.sum():.4g}, not to the {members} members (each sums to 1)"
     for key in (GAP, MOVE):  # what a merge is judged by: each member's share is in [0, GAP_MAX]
-        values = np.asarray(total.get(key, np.zeros(1)), dtype=np.float64)
+        values = np.asarray(total[key], dtype=np.float64)
         if not np.all(np.isfinite(values)) or values.min() < -slack or values.max() > members * GAP_MAX + slack:
             return f"the probe {key.split('-')[1]} sums are outside [0, {members} x {GAP_MAX}]"
     return None

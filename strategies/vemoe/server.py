@@ -133,7 +133,8 @@ class VEMoE(Strategy):
             reserved = self._free_slot()
             self.experts, self.totals = experts_from_sum(total, self.experts)
             self._prune(server_round)
-            self._merge(server_round, functional_distance(total[GAP], total[MOVE]))
+            self.distance = functional_distance(total[GAP], total[MOVE])  # on the probes of the pool sent this round
+            self._merge(server_round)
             votes = float(total[VOTE][0])
             if reserved >= 0 and votes >= self.cfg.birth_min_votes:  # prune and merge only free slots: still free
                 self.experts[reserved] = newborn(total, votes, reserved, self.experts[reserved])
@@ -150,11 +151,11 @@ class VEMoE(Strategy):
         for slot in pruned:
             self._event(server_round, "prune", slot, share=float(self.totals[slot] / mass))
 
-    def _merge(self, server_round: int, distance: np.ndarray) -> None:
+    def _merge(self, server_round: int) -> None:
         """Merge near-duplicates: by delta-W cosine, or by the functional distance on this round's probes (measured
         on the pool the clients received, i.e. before this round's update)."""
         cfg = self.cfg
-        pairs = merge_pairs(self.experts, self.active, cfg.merge_threshold, distance, cfg.merge_distance)
+        pairs = merge_pairs(self.experts, self.active, cfg.merge_threshold, self.distance, cfg.merge_distance)
         for kept, merged, measures in pairs:
             self.experts[kept] = merge(
                 self.experts[kept], self.experts[merged], float(self.totals[kept]), float(self.totals[merged])
@@ -162,7 +163,6 @@ class VEMoE(Strategy):
             self.active[merged] = False
             self.low_rounds[merged] = 0
             self._event(server_round, "merge", merged, into=kept, **measures)
-        self.distance = distance
 
     def _event(self, server_round: int, kind: str, slot: int, **numbers: Any) -> None:
         event = {"round": server_round, "kind": kind, "slot": slot, **numbers}
