@@ -25,13 +25,14 @@ class VemoeSection(Section):
     # "summed": the posterior r_k ~ prior_k x p(probe | expert k), from the probe's SUMMED log-likelihood (10-80
     # answer tokens: 5-40 times sharper than the mean), the prior the pool's share of last round's responsibility
     # (counted by the server; uniform in round 1); "mean": r from the probe's mean answer-token loss and
-    # ``temperature`` (seed 002's). Chosen with "gradient" below on ni-categories' validation split (2026-11-29):
-    # the clients separated by category from round 2 (top-1 purity 1.0; 0.67 with seed 002's routing)
-    likelihood: Literal["mean", "summed"] = "summed"
+    # ``temperature`` (seed 002's, the default). With "gradient" below, best on ni-categories' validation split
+    # (2026-11-29: top-1 purity 1.0 from round 2, 0.67 with seed 002's routing); not the default until chosen on
+    # more than one structure
+    likelihood: Literal["mean", "summed"] = "mean"
     # round 1, where every expert still computes the base model and the probe losses tie: "gradient": r from each
     # expert's first-order gain on the probe (its squared gradient in B), which follows the client's data; "spread":
     # the tie broken in a per-client order (clients spread over the experts at random, the categories mixed)
-    first_round: Literal["spread", "gradient"] = "gradient"
+    first_round: Literal["spread", "gradient"] = "spread"
     # the oracle run: a client whose task set is named here routes to that expert slot alone (one-hot r), so each
     # category has its own expert by hand ("question generation=0,answer generation=1"): what routing could win
     oracle: dict[str, int] = Field(default_factory=dict)
@@ -51,10 +52,10 @@ class VemoeSection(Section):
     # category or different ones; the distance is about 1 between experts of different categories). 0: off
     merge_distance: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     # a personal LoRA (``personal.*``) beside the pool, trained every round and never sent (adapter kind
-    # ``experts-dual``): what is the client's own stays out of the experts, which are averaged across clients. On by
-    # default since 2026-11-29 (without it every client of ni-categories did worse than training alone, even with
-    # each category routed to its own expert by hand); false: seed 002's pool alone
-    personal_lora: bool = True
+    # ``experts-dual``): what is the client's own stays out of the experts, which are averaged across clients (without
+    # it every client of ni-categories did worse than training alone, even with each category routed to its own
+    # expert by hand). Off by default (seed 002's pool alone) until chosen on more than one structure
+    personal_lora: bool = False
     baseline_run: str = ""  # a local-only run dir on the same clients: negative_transfer.png against it ("": none)
 
     _pairs = field_validator("oracle", mode="before")(split_pairs)
