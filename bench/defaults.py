@@ -82,14 +82,23 @@ def choose_default(table: dict[str, dict[str, Against | None]]) -> tuple[str, st
     return chosen, reason
 
 
+def candidate_label(strategy: str, fixed: str, key: str | None, value: str) -> str:
+    """The ``bench.compare`` label of one candidate: ``key=value`` on top of the fixed overrides, or (no key) the
+    value as a whole set of overrides, ``defaults`` being the strategy with none."""
+    overrides = " ".join(o for o in (fixed, f"{key}={value}" if key else "" if value == "defaults" else value) if o)
+    return f"{strategy}:{overrides}" if overrides else strategy
+
+
 def cell(record: Against | None) -> str:
     return "–" if record is None else f"{record.worst:+.3f} / {record.mean:+.3f} / {record.clients_worse:g}"
 
 
-def markdown(key: str, strategy: str, table: dict[str, dict[str, Against | None]], chosen: str, reason: str) -> str:
+def markdown(
+    key: str | None, strategy: str, table: dict[str, dict[str, Against | None]], chosen: str, reason: str
+) -> str:
     presets = list(dict.fromkeys(p for by in table.values() for p in by))
     lines = [
-        f"# `{key}` for `{strategy}`, checked on {', '.join(f'`{p}`' for p in presets)}",
+        f"# {f'`{key}`' if key else 'Settings'} for `{strategy}`, checked on {', '.join(f'`{p}`' for p in presets)}",
         "",
         "Validation split (the test split was not looked at); differences against local-only at the final round, "
         "means over seeds (lower is better): worst client / mean client / clients worse.",
@@ -100,14 +109,18 @@ def markdown(key: str, strategy: str, table: dict[str, dict[str, Against | None]
     for value, by in table.items():
         cells = [cell(by.get(p)) for p in presets]
         lines.append(f"| {value} | " + " | ".join(cells) + " |")
-    lines += ["", f"Chosen: **{key}={chosen}** ({reason})."]
+    lines += ["", f"Chosen: **{f'{key}={chosen}' if key else chosen}** ({reason})."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", required=True, help="a registered strategy (with fixed overrides: 'name:k=v')")
-    parser.add_argument("--key", required=True, help="the run-config key to choose, e.g. atlas.min-cluster-size")
+    parser.add_argument(
+        "--key",
+        help="the run-config key to choose, e.g. atlas.min-cluster-size; without it each value is a whole "
+        "set of overrides ('k=v k=v'), and 'defaults' is the strategy as it is",
+    )
     parser.add_argument("--values", required=True, help="the candidate values, comma-separated")
     parser.add_argument("--presets", default=",".join(CHECKED_ON))
     parser.add_argument("--seeds", default="0")
@@ -118,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     name, _, fixed = args.strategy.partition(":")
     values = split_outside_quotes(args.values)
-    labels = {v: f"{name}:{f'{fixed} ' if fixed else ''}{args.key}={v}" for v in values}
+    labels = {v: candidate_label(name, fixed, args.key, v) for v in values}
     out = Path(args.out)
     table: dict[str, dict[str, Against | None]] = {v: {} for v in values}
     for preset in split_outside_quotes(args.presets):
@@ -142,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "defaults.json").write_text(json.dumps(result, indent=1))
     (out / "defaults.md").write_text(markdown(args.key, args.strategy, table, chosen, reason))
-    print(f"[defaults] {args.key}={chosen}: {reason}")
+    print(f"[defaults] {f'{args.key}={chosen}' if args.key else chosen}: {reason}")
     return result
 
 

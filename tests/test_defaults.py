@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.defaults import Against, against_local, choose_default, markdown
+from bench.defaults import Against, against_local, candidate_label, choose_default, markdown
 
 
 def rows(label: str, seed: int, losses: list[float], last: int = 4) -> list[dict]:
@@ -55,3 +55,13 @@ def test_the_report_names_every_cell_and_the_choice():
     text = markdown("atlas.min-cluster-size", "atlas", t, *choose_default(t))
     assert "| 2 | -0.050 / -0.025 / 0 | +0.200 / +0.100 / 0 |" in text
     assert "Chosen: **atlas.min-cluster-size=1**" in text
+
+
+def test_a_candidate_is_a_key_value_or_a_whole_set_of_overrides_and_defaults_is_the_strategy_alone():
+    assert candidate_label("atlas", "", "atlas.min-cluster-size", "2") == "atlas:atlas.min-cluster-size=2"
+    assert candidate_label("vemoe", "x=1", "y", "2") == "vemoe:x=1 y=2"
+    assert candidate_label("vemoe", "", None, "defaults") == "vemoe"
+    both = "vemoe.personal-lora=true vemoe.likelihood='summed'"
+    assert candidate_label("vemoe", "", None, both) == f"vemoe:{both}"
+    t = table(**{"defaults": (0.2, 0.1), both: (-0.03, -0.01)})
+    assert f"Chosen: **{both}**" in markdown(None, "vemoe", t, *choose_default(t))
