@@ -16,10 +16,13 @@ What we do instead, for every ``Linear4bit`` of a model (``use_packed_inference`
   kernel, built on first use and kept; any forward that may need a gradient (train mode, or grad enabled) uses
   the original weight and bitsandbytes' normal, differentiable path. Nothing is switched back and forth, so the
   gradients are those of a model that never evaluated, whoever trains it (our loop, peft's, a user's).
-Cost: one extra copy of the packed 4-bit weights per model (about the model's 4-bit size) on machines where the
-kernel runs; gain, as reported for the same kernel there: no-grad forwards about 1.8x and greedy generation
-about 3x faster (see docs/cpu-4bit.md; ``bench/cpu_4bit_bench.py`` measures it on such a machine).
-The packed copy computes in bf16, so evaluation numbers on such a CPU match the fp32 path to bf16 precision.
+- where the packed kernel is missing or packing is off (``model.cpu-packed-inference=false``, the default since
+  2026-11-29: measured faster even where the kernel exists, docs/cpu-4bit.md), every CPU forward, training included,
+  uses a dequantised copy of the weight: the dense matmul bitsandbytes' own CPU path computes after dequantising
+  on every call, so the same numbers bit for bit, with each weight dequantised once instead of twice a step.
+Cost of the packed path: one extra copy of the packed 4-bit weights per model (about the model's 4-bit size); it
+computes in bf16, so evaluation numbers match the fp32 path to bf16 precision. Measured on such a machine
+(``bench/cpu_4bit_bench.py``, docs/cpu-4bit.md) it is slower than the dequantised copy, hence off by default.
 """
 
 from __future__ import annotations
@@ -70,29 +73,30 @@ def packable(layer: bnb.nn.Linear4bit) -> bool:
 
 
 class PackedInferenceLinear4bit(bnb.nn.Linear4bit):
-    """A bitsandbytes ``Linear4bit`` whose no-grad eval forwards on the CPU use an inference copy of its weight.
+    """A bitsandbytes ``Linear4bit`` whose forwards on the CPU use a copy of its weight.
 
     The weight and its ``quant_state`` keep the layout that training, saving and ``.to(device)`` expect; the copy
-    lives beside them, outside the state dict, built on first use. ``packed_inference``: the packed layout (bf16
-    absmax, tiles of 32 rows) for bitsandbytes' AVX512-BF16 kernel. ``dequantised_inference`` (CPUs without that
-    kernel): the weight dequantised once to the compute dtype, so a no-grad forward is one dense matmul instead of
-    bitsandbytes' 4-bit CPU gemm, which dequantises on every call (about 3x slower for SmolLM2-135M on 2 cores, and
-    generation calls it once per token); same weights, fp32 math, 4 bytes per weight in memory. Both off (set by
+    lives beside them, outside the state dict, built on first use. ``packed_inference``: for no-grad eval forwards
+    only, the packed layout (bf16 absmax, tiles of 32 rows) for bitsandbytes' AVX512-BF16 kernel; training forwards
+    take bitsandbytes' normal path. ``dequantised`` (CPUs without that kernel, layers that do not fit it, or packing
+    off): EVERY forward on the CPU, training included, is one dense matmul with the weight dequantised once to the
+    compute dtype. bitsandbytes' own 4-bit CPU path computes the same dense matmul (``gemm_4bit``'s default: dequantise,
+    then ``linear``; its backward: dequantise again, then ``grad @ W``), so losses and gradients are bit for bit the
+    same (``tests/test_bnb_cpu.py``), without two dequantisations of every weight per training step or the one per
+    call that makes its no-grad forwards about 3x slower for SmolLM2-135M on 2 cores (generation calls it once per
+    token). The weight stays frozen: the copy never requires grad. Memory: 4 bytes per weight. Both off (set by
     :func:`use_packed_inference`): every forward takes the normal path.
     """
 
     packed_inference: bool = False
-    dequantised_inference: bool = False
+    dequantised: bool = False
 
-    def uses_packed(self, x: torch.Tensor) -> bool:
-        """True for a forward that cannot need a gradient: eval mode, grad disabled, input and weight on the CPU."""
-        return (
-            (self.packed_inference or self.dequantised_inference)
-            and not self.training
-            and not torch.is_grad_enabled()
-            and x.device.type == "cpu"
-            and self.weight.device.type == "cpu"
-        )
+    def uses_copy(self, x: torch.Tensor) -> bool:
+        """Whether this forward runs on a copy: on the CPU, the dequantised copy always, the packed copy only when
+        the forward cannot need a gradient (eval mode, grad disabled)."""
+        if x.device.type != "cpu" or self.weight.device.type != "cpu":
+            return False
+        return self.dequantised or (self.packed_inference and not self.training and not torch.is_grad_enabled())
 
     def packed_weight(self) -> tuple[torch.Tensor, QuantState]:
         """The packed copy of the weight and its quant state (rebuilt if the weight's storage was replaced)."""
@@ -118,7 +122,7 @@ class PackedInferenceLinear4bit(bnb.nn.Linear4bit):
         return cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.uses_packed(x):
+        if not self.uses_copy(x):
             return super().forward(x)
         fix_4bit_weight_quant_state_from_module(self)
         if not self.compute_type_is_set:
@@ -128,7 +132,7 @@ class PackedInferenceLinear4bit(bnb.nn.Linear4bit):
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if not self.packed_inference:  # dequantised copy: a plain dense matmul
+        if self.dequantised:  # a plain dense matmul, differentiable in x
             return torch.nn.functional.linear(x, self.dequantised_weight(x.dtype), bias).to(inp_dtype)
         data, state = self.packed_weight()
         # ``matmul_4bit`` sees the packing flag on the state and calls the CPU kernel (bf16 inside).
@@ -146,7 +150,7 @@ def use_packed_inference(model: torch.nn.Module, enabled: bool | None = None) ->
             every CPU, so that evaluation computes the same numbers whatever the CPU (comparisons use this).
 
     Returns counts: ``layers`` (4-bit layers seen), ``packed`` (those that will infer packed) and ``dequantised``
-    (those that will infer from a dequantised copy).
+    (those whose every CPU forward, training too, will use a dequantised copy).
     A layer bitsandbytes already converted in place is converted back first, with a warning (its inverse is
     lossy), so that even a model that evaluated before this call trains on the normal path from then on.
     """
@@ -167,11 +171,11 @@ def use_packed_inference(model: torch.nn.Module, enabled: bool | None = None) ->
             module.__class__ = PackedInferenceLinear4bit
         if isinstance(module, PackedInferenceLinear4bit):
             module.packed_inference = enabled and kernel and packable(module)
-            module.dequantised_inference = not module.packed_inference
+            module.dequantised = not module.packed_inference
             module.__dict__.pop("_packed", None)
             module.__dict__.pop("_dequantised", None)
             packed += module.packed_inference
-            dequantised += module.dequantised_inference
+            dequantised += module.dequantised
     return {"layers": seen, "packed": packed, "dequantised": dequantised}
 
 

@@ -26,9 +26,10 @@ class ModelSection(Section):
     partition_models: list[str] = Field(default_factory=list)
     quantization: Literal["nf4", "bf16", "fp32"] = "nf4"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # NF4 on a CPU with AVX512-BF16: no-grad evaluation/generation through bitsandbytes' packed bf16 kernel (about
-    # 2-3x faster there; training is unaffected). false: fp32 everywhere, identical numbers on every CPU.
-    cpu_packed_inference: bool = True
+    # NF4 on a CPU with AVX512-BF16: true: no-grad evaluation/generation through bitsandbytes' packed bf16 kernel;
+    # false (default since 2026-11-29): every CPU forward from a dequantised fp32 copy, identical numbers on every
+    # CPU, and measured faster on such a CPU too (docs/cpu-4bit.md: forward 1.9x, generation 1.3x, training 1.1x)
+    cpu_packed_inference: bool = False
     # Settings per base model in a federation of several: "model:section.key=value, ..." (e.g.
     # "qwen2.5-coder-0.5b-instruct:pqlora.learning-rate=0.01"): a client that loads that model trains with these
     # values (``RunConfig.for_model``). A step size tuned on one model need not suit another; only the keys a section
@@ -158,6 +159,10 @@ class TrainSection(Section):
     # padding-free batches: a batch's examples end to end in one row, attention kept inside each example
     # (common.training.pack); the same loss and gradients as the padded batch, no compute on padding
     packing: bool = False
+    # where the lm_head runs for the loss: "labelled" only at the positions that predict a labelled (answer) token,
+    # the same loss and gradients as "all" (every position, transformers' own loss) without the vocabulary-wide
+    # logits of the prompt (common.training.labelled_loss)
+    loss_logits: Literal["labelled", "all"] = "labelled"
 
 
 class EvalSection(Section):

@@ -17,7 +17,7 @@ import torch
 
 from .config import EvalSection, TrainSection
 from .data import Example
-from .training import collate, encode, prompt_ids
+from .training import collate, encode, loss_positions, prompt_ids
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -46,8 +46,7 @@ def _answer_logits(model, tokenizer, examples: list[Example], batch_size: int, m
         batch = {k: v.to(device) for k, v in batch.items()}
         # Logits only where an answer token is predicted (position t predicts token t + 1): the lm_head over the
         # whole vocabulary at every prompt position would be a fifth of the forward's work for nothing.
-        keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
-        keep[:, :-1] = batch["labels"][:, 1:] != -100
+        keep = loss_positions(batch["labels"])
         logits = model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
         ).logits.float()

@@ -50,7 +50,7 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_base_model(name: str, quantization: str = "nf4", device: str = "auto", cpu_packed_inference: bool = True):
+def load_base_model(name: str, quantization: str = "nf4", device: str = "auto", cpu_packed_inference: bool = False):
     """Load a causal LM with frozen weights, quantised as asked.
 
     Args:
@@ -59,9 +59,10 @@ def load_base_model(name: str, quantization: str = "nf4", device: str = "auto", 
             ``bf16`` or ``fp32``.
         device: ``auto``, ``cpu`` or ``cuda``.
         cpu_packed_inference: NF4 on a CPU with AVX512-BF16: no-grad eval forwards (evaluation, generation,
-            probes) use bitsandbytes' packed bf16 kernel on a copy of the weights; training always uses the
-            normal layout (``common.bnb_cpu``). False, and on other CPUs: no-grad eval forwards in fp32 from a
-            dequantised copy, the same numbers on every CPU. No effect on CUDA.
+            probes) use bitsandbytes' packed bf16 kernel on a copy of the weights; training uses the normal layout
+            (``common.bnb_cpu``). False (the default), and on other CPUs: every CPU forward, training included, in
+            fp32 from a dequantised copy: the same numbers on every CPU, bit for bit bitsandbytes' own. No effect
+            on CUDA.
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 

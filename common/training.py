@@ -117,11 +117,28 @@ def pack(batch: list[Encoded]) -> dict[str, torch.Tensor]:
     }
 
 
+def loss_positions(labels: torch.Tensor) -> torch.Tensor:
+    """(rows, positions) bool: the positions whose logits predict a labelled token (position t predicts t + 1)."""
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE
+    return keep
+
+
+def labelled_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean cross-entropy over the labelled tokens of a batch (``collate``'s or ``pack``'s), as the model's own loss,
+    with the lm_head run only at the positions that predict one (transformers' ``logits_to_keep``): the prompt's
+    vocabulary-wide logits, most of a batch's and a fifth of a small model's forward, are never computed."""
+    labels = inputs["labels"]
+    keep = loss_positions(labels)
+    logits = model(**{k: v for k, v in inputs.items() if k != "labels"}, logits_to_keep=keep).logits
+    return torch.nn.functional.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]])
+
+
 def batch_loss(model, tokenizer, examples: list[Example], max_len: int) -> torch.Tensor:
     """Mean answer-token cross-entropy of one batch (with the graph, for gradients)."""
     device = next(model.parameters()).device
     batch = collate([encode(tokenizer, e, max_len) for e in examples], tokenizer.pad_token_id)
-    return model(**{k: v.to(device) for k, v in batch.items()}).loss
+    return labelled_loss(model, {k: v.to(device) for k, v in batch.items()})
 
 
 def round_learning_rate(cfg: TrainSection, server_round: int, num_rounds: int) -> float:
@@ -151,7 +168,8 @@ def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection
         if share == 0:
             continue
         inputs = {k: v.to(device) for k, v in (pack(piece) if cfg.packing else collate(piece, pad_id)).items()}
-        loss = model(**inputs).loss * share / cfg.grad_accum_steps
+        loss = labelled_loss(model, inputs) if cfg.loss_logits == "labelled" else model(**inputs).loss
+        loss = loss * share / cfg.grad_accum_steps
         loss.backward()
         loss_sum += float(loss.detach())
     return loss_sum

@@ -189,36 +189,43 @@ def test_a_layer_bitsandbytes_packed_in_place_is_converted_back(packable_llama_d
     assert torch.isfinite(loss)
 
 
-def test_without_the_kernel_inference_uses_a_dequantised_copy_with_the_same_logits(tiny_llama_dir):
-    """On a CPU without the packed kernel (or a layer that does not fit it), no-grad eval forwards use the weight
-    dequantised once: the same logits as bitsandbytes' own 4-bit CPU path, and training never touches the copy."""
-    if bnb_cpu.cpu_kernel_available():
-        pytest.skip("this CPU has the packed kernel: its layers infer packed, not from a dequantised copy")
-    model = _load(tiny_llama_dir).eval()
+def test_without_the_kernel_every_forward_uses_a_dequantised_copy_with_bitsandbytes_numbers(tiny_llama_dir):
+    """Layers without the packed kernel (any CPU with packing off; a CPU without AVX512-BF16 always) run every CPU
+    forward, training included, as one dense matmul with the weight dequantised once: logits, loss and LoRA gradients
+    bit for bit those of bitsandbytes' own 4-bit CPU path (which dequantises on every forward and backward)."""
+    from common.adapters import attach_lora
+    from common.adapters.lora import LoraSection
+
+    model = attach_lora(_load(tiny_llama_dir, packed=False), LoraSection(r=4, target_modules=LORA_TARGETS), seed=3)
     layers = _layers(model)
-    assert layers and all(m.dequantised_inference and not m.packed_inference for m in layers)
-    with torch.no_grad():
-        copied = model(input_ids=IDS).logits
-    assert all("_dequantised" in m.__dict__ for m in layers)  # each layer really inferred from its copy
-    with torch.no_grad():
-        plain = _load(tiny_llama_dir, packed=False).eval()(input_ids=IDS).logits
-    torch.testing.assert_close(copied, plain, rtol=1e-5, atol=1e-5)
-    model.train()
-    calls = {"n": 0}
-    original = PackedInferenceLinear4bit.dequantised_weight
+    assert layers and all(m.dequantised and not m.packed_inference for m in layers)
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)  # lora_B starts at zero: give every LoRA weight a gradient
 
-    def counted(self, dtype):
-        calls["n"] += 1
-        return original(self, dtype)
-
-    PackedInferenceLinear4bit.dequantised_weight = counted  # type: ignore[method-assign]
-    try:
-        assert torch.isfinite(model(input_ids=IDS, labels=IDS).loss)  # train mode: the normal, differentiable path
+    def run(dequantised: bool):
+        for m in layers:
+            m.dequantised = dequantised
         with torch.no_grad():
-            model.eval()(input_ids=IDS)
-    finally:
-        PackedInferenceLinear4bit.dequantised_weight = original  # type: ignore[method-assign]
-    assert calls["n"] == len(layers)  # only the eval forward used the copies
+            logits = model.eval()(input_ids=IDS).logits
+        model.train().zero_grad(set_to_none=True)
+        loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return logits, loss.detach(), grads
+
+    bitsandbytes_logits, bitsandbytes_loss, bitsandbytes_grads = run(False)
+    assert not any("_dequantised" in m.__dict__ for m in layers)  # the reference never made a copy
+    logits, loss, grads = run(True)
+    assert all("_dequantised" in m.__dict__ for m in layers)  # each layer really ran on its copy
+    assert torch.equal(logits, bitsandbytes_logits) and torch.equal(loss, bitsandbytes_loss)
+    assert grads.keys() == bitsandbytes_grads.keys() and any(g.abs().max() > 0 for g in grads.values())
+    assert all(torch.equal(grads[n], bitsandbytes_grads[n]) for n in grads)
+    assert not any(m.__dict__["_dequantised"][1].requires_grad or m.weight.grad is not None for m in layers)
+    for m in layers:
+        del m.__dict__["_dequantised"]
+    model.train()(input_ids=IDS, labels=IDS).loss.backward()
+    assert all("_dequantised" in m.__dict__ for m in layers)  # training forwards use the copy too
 
 
 def test_packable_shapes():

@@ -221,3 +221,38 @@ def test_a_packed_batch_gives_the_padded_batchs_loss_and_gradients(tiny, micro):
     with torch.no_grad():
         as_one = model(input_ids=row["input_ids"], labels=row["labels"]).loss.item()  # positions 0..T-1
     assert abs(as_one - padded_loss) > 20 * abs(packed_loss - padded_loss) + 1e-4, (as_one, packed_loss, padded_loss)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_lm_head_at_labelled_positions_only_gives_the_full_logits_loss_and_gradients(tiny, packing):
+    """train.loss-logits="labelled" (the default): the vocabulary-wide logits only where a labelled token is
+    predicted, padded or packed, whole or in micro-batches: the loss and LoRA gradients of "all" (transformers' own
+    loss over every position's logits). The logits it computes are those of the answer positions only."""
+    from common.training import accumulate_batch, collate, labelled_loss, loss_positions, pack
+
+    model, tokenizer = tiny
+    for p in model.parameters():
+        if p.requires_grad and p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)  # lora_B starts at zero: give every LoRA weight a gradient
+    batch = [encode(tokenizer, EXAMPLES[i], 64) for i in (0, 5, 6, 11, 3)]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(where: str, micro: int):
+        model.zero_grad(set_to_none=True)
+        cfg = TrainSection(batch_size=5, micro_batch_size=micro, packing=packing, loss_logits=where)
+        loss = accumulate_batch(model, batch, tokenizer.pad_token_id, cfg, "cpu")
+        return loss, [p.grad.clone() for p in params]
+
+    full_loss, full = gradient("all", 0)
+    for micro in (0, 2):
+        loss, grads = gradient("labelled", micro)
+        assert loss == pytest.approx(full_loss, rel=1e-5)
+        for a, b in zip(full, grads):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert any(g.abs().max() > 0 for g in full)
+    inputs = pack(batch) if packing else collate(batch, tokenizer.pad_token_id)
+    keep = loss_positions(inputs["labels"])
+    answers = sum(int((torch.tensor(e.labels[1:]) != IGNORE).sum()) for e in batch)
+    assert int(keep.sum()) == answers < inputs["labels"].numel() // 3  # the prompts' positions are skipped
+    with torch.no_grad():
+        assert float(labelled_loss(model, inputs)) == pytest.approx(float(model(**inputs).loss), rel=1e-5)
