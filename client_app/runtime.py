@@ -236,7 +236,13 @@ def load_model(name: str, cfg: RunConfig, run_id: int) -> LoadedModel:
     Memory rule: before loading a base model, the ones no message of the current run has used are freed (a
     long-lived node worker serving a new run with another model gives the old one back; a run keeps every base
     model it uses: its clients' and its probe)."""
-    key = (name, cfg.model.quantization, cfg.model.device, cfg.model.cpu_packed_inference)
+    key = (
+        name,
+        cfg.model.quantization,
+        cfg.model.device,
+        cfg.model.cpu_packed_inference,
+        cfg.model.gradient_checkpointing,
+    )
     if key not in _MODELS:
         stale = [k for k, m in _MODELS.items() if m.last_run != run_id]
         if stale:
@@ -265,7 +271,8 @@ def _load_base(model_name: str, cfg: RunConfig):
     _configure_process()
     log.info("process %d: loading base model %s (%s)", os.getpid(), model_name, cfg.model.quantization)
     started = time.perf_counter()
-    base = load_base_model(model_name, cfg.model.quantization, cfg.model.device, cfg.model.cpu_packed_inference)
+    m = cfg.model
+    base = load_base_model(model_name, m.quantization, m.device, m.cpu_packed_inference, m.gradient_checkpointing)
     model_loads += 1
     model_load_seconds += time.perf_counter() - started
     return base

@@ -30,6 +30,9 @@ class ModelSection(Section):
     # false (default since 2026-11-29): every CPU forward from a dequantised fp32 copy, identical numbers on every
     # CPU, and measured faster on such a CPU too (docs/cpu-4bit.md: forward 1.9x, generation 1.3x, training 1.1x)
     cpu_packed_inference: bool = False
+    # recompute activations in the backward pass (a GPU's memory for about one more forward's compute; off: a small
+    # model on a CPU is compute-bound)
+    gradient_checkpointing: bool = False
     # Settings per base model in a federation of several: "model:section.key=value, ..." (e.g.
     # "qwen2.5-coder-0.5b-instruct:pqlora.learning-rate=0.01"): a client that loads that model trains with these
     # values (``RunConfig.for_model``). A step size tuned on one model need not suit another; only the keys a section

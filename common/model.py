@@ -50,7 +50,13 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_base_model(name: str, quantization: str = "nf4", device: str = "auto", cpu_packed_inference: bool = False):
+def load_base_model(
+    name: str,
+    quantization: str = "nf4",
+    device: str = "auto",
+    cpu_packed_inference: bool = False,
+    gradient_checkpointing: bool = False,
+):
     """Load a causal LM with frozen weights, quantised as asked.
 
     Args:
@@ -63,6 +69,9 @@ def load_base_model(name: str, quantization: str = "nf4", device: str = "auto", 
             (``common.bnb_cpu``). False (the default), and on other CPUs: every CPU forward, training included, in
             fp32 from a dequantised copy: the same numbers on every CPU, bit for bit bitsandbytes' own. No effect
             on CUDA.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
+            them (transformers' non-reentrant checkpointing): activation memory of about one layer instead of all,
+            for roughly one more forward's compute. Off by default: a small model on a CPU is compute-bound.
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -85,16 +94,20 @@ def load_base_model(name: str, quantization: str = "nf4", device: str = "auto", 
     model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     for param in model.parameters():
         param.requires_grad_(False)
+    checkpointing = {"use_reentrant": False}  # works with frozen inputs and adapters that wrap layers
     if quantization == "nf4":
-        # Norms in fp32 for stable training on top of 4-bit weights; checkpointing off (a small model on CPU
-        # is compute-bound, recomputation would only slow it down).
+        # Norms in fp32 for stable training on top of 4-bit weights.
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing, gradient_checkpointing_kwargs=checkpointing
+        )
         # Before any forward: bitsandbytes would otherwise repack weights in place on AVX512-BF16 CPUs at the
         # first no-grad eval forward and train on its inference kernel from then on (wrong gradients).
         from .bnb_cpu import use_packed_inference
 
         use_packed_inference(model, enabled=None if cpu_packed_inference else False)
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     model.config.use_cache = False
     return model

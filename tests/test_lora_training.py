@@ -256,3 +256,28 @@ def test_the_lm_head_at_labelled_positions_only_gives_the_full_logits_loss_and_g
     assert int(keep.sum()) == answers < inputs["labels"].numel() // 3  # the prompts' positions are skipped
     with torch.no_grad():
         assert float(labelled_loss(model, inputs)) == pytest.approx(float(model(**inputs).loss), rel=1e-5)
+
+
+@pytest.mark.parametrize("quantization", ["fp32", "nf4"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_llama_dir, quantization):
+    """model.gradient-checkpointing: activations recomputed in the backward pass, the same training step."""
+    from common.training import accumulate_batch
+
+    def step(checkpointing: bool):
+        base = load_base_model(str(tiny_llama_dir), quantization, "cpu", gradient_checkpointing=checkpointing)
+        assert base.is_gradient_checkpointing == checkpointing
+        model, tokenizer = attach_lora(base, LoraSection(r=4, alpha=8), seed=0), load_tokenizer(str(tiny_llama_dir))
+        torch.manual_seed(1)
+        for p in model.parameters():
+            if p.requires_grad and p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.05)
+        model.train()
+        batch = [encode(tokenizer, EXAMPLES[i], 64) for i in (0, 5, 11)]
+        loss = accumulate_batch(model, batch, tokenizer.pad_token_id, TrainSection(batch_size=3), "cpu")
+        return loss, [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    loss, grads = step(False)
+    recomputed_loss, recomputed = step(True)
+    assert recomputed_loss == pytest.approx(loss, rel=1e-5) and any(g.abs().max() > 0 for g in grads)
+    for a, b in zip(grads, recomputed):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
