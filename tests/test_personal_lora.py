@@ -150,8 +150,8 @@ def test_the_config_picks_the_kind_and_names_bad_keys():
     assert load_run_config({"strategy": "simgrad"}).adapter == "pqlora-dual"  # the default local path
     assert load_run_config({"strategy": "simgrad", "simgrad.local-path": "pq"}).adapter == "pqlora"
     assert load_run_config({"strategy": "fedavg-dual"}).adapter == "lora-dual"
-    assert load_run_config({"strategy": "vemoe"}).adapter == "experts"
-    assert load_run_config({"strategy": "vemoe", "vemoe.personal-lora": True}).adapter == "experts-dual"
+    assert load_run_config({"strategy": "vemoe"}).adapter == "experts-dual"  # the default: a personal LoRA
+    assert load_run_config({"strategy": "vemoe", "vemoe.personal-lora": False}).adapter == "experts"
     with pytest.raises(ConfigError, match="simgrad.local-path"):
         load_run_config({"strategy": "simgrad", "simgrad.local-path": "prefix"})
     with pytest.raises(ConfigError, match="personal.r"):

@@ -19,7 +19,8 @@ from strategies.aggregation import secagg_error_bound
 
 def test_a_pool_config_that_cannot_hold_its_experts_is_refused_naming_the_key():
     cfg = load_run_config({"strategy": "vemoe"})
-    assert cfg.adapter == "experts"
+    assert cfg.adapter == "experts-dual"  # a personal LoRA beside the pool by default
+    assert load_run_config({"strategy": "vemoe", "vemoe.personal-lora": False}).adapter == "experts"
     with pytest.raises(ConfigError, match="vemoe.k-init"):
         load_run_config({"strategy": "vemoe", "experts.k-max": 2, "experts.top-m": 1, "vemoe.k-init": 3})
     with pytest.raises(ConfigError, match="experts.top-m"):

@@ -25,14 +25,13 @@ class VemoeSection(Section):
     # "summed": the posterior r_k ~ prior_k x p(probe | expert k), from the probe's SUMMED log-likelihood (10-80
     # answer tokens: 5-40 times sharper than the mean), the prior the pool's share of last round's responsibility
     # (counted by the server; uniform in round 1); "mean": r from the probe's mean answer-token loss and
-    # ``temperature`` (seed 002's, the default). With "gradient" below, best on ni-categories' validation split
-    # (2026-11-29: top-1 purity 1.0 from round 2, 0.67 with seed 002's routing); not the default until chosen on
-    # more than one structure
-    likelihood: Literal["mean", "summed"] = "mean"
+    # ``temperature`` (seed 002's). With "gradient" below and the personal LoRA, the default since 2026-11-29, chosen
+    # by bench.defaults' rule on three structures (docs/results/defaults-vemoe)
+    likelihood: Literal["mean", "summed"] = "summed"
     # round 1, where every expert still computes the base model and the probe losses tie: "gradient": r from each
     # expert's first-order gain on the probe (its squared gradient in B), which follows the client's data; "spread":
     # the tie broken in a per-client order (clients spread over the experts at random, the categories mixed)
-    first_round: Literal["spread", "gradient"] = "spread"
+    first_round: Literal["spread", "gradient"] = "gradient"
     # the oracle run: a client whose task set is named here routes to that expert slot alone (one-hot r), so each
     # category has its own expert by hand ("question generation=0,answer generation=1"): what routing could win
     oracle: dict[str, int] = Field(default_factory=dict)
@@ -54,8 +53,9 @@ class VemoeSection(Section):
     # a personal LoRA (``personal.*``) beside the pool, trained every round and never sent (adapter kind
     # ``experts-dual``): what is the client's own stays out of the experts, which are averaged across clients (without
     # it every client of ni-categories did worse than training alone, even with each category routed to its own
-    # expert by hand). Off by default (seed 002's pool alone) until chosen on more than one structure
-    personal_lora: bool = False
+    # expert by hand). On by default since 2026-11-29, chosen by bench.defaults' rule on three structures
+    # (docs/results/defaults-vemoe)
+    personal_lora: bool = True
     baseline_run: str = ""  # a local-only run dir on the same clients: negative_transfer.png against it ("": none)
 
     _pairs = field_validator("oracle", mode="before")(split_pairs)
