@@ -265,7 +265,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_llama_dir
 
     def step(checkpointing: bool):
         base = load_base_model(str(tiny_llama_dir), quantization, "cpu", gradient_checkpointing=checkpointing)
-        assert base.is_gradient_checkpointing == checkpointing
+        assert base.is_activation_checkpointing == checkpointing
         model, tokenizer = attach_lora(base, LoraSection(r=4, alpha=8), seed=0), load_tokenizer(str(tiny_llama_dir))
         torch.manual_seed(1)
         for p in model.parameters():
