@@ -17,7 +17,7 @@ import torch
 
 from .config import EvalSection, TrainSection
 from .data import Example
-from .training import collate, encode, loss_positions, prompt_ids
+from .training import collate, encode, labelled_logits, prompt_ids
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -46,11 +46,8 @@ def _answer_logits(model, tokenizer, examples: list[Example], batch_size: int, m
         batch = {k: v.to(device) for k, v in batch.items()}
         # Logits only where an answer token is predicted (position t predicts token t + 1): the lm_head over the
         # whole vocabulary at every prompt position would be a fifth of the forward's work for nothing.
-        keep = loss_positions(batch["labels"])
-        logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
-        ).logits.float()
-        yield chunk, logits, batch["labels"][:, 1:][keep[:, :-1]], keep.nonzero()[:, 0]
+        logits, targets, keep = labelled_logits(model, batch)
+        yield chunk, logits.float(), targets, keep.nonzero()[:, 0]
 
 
 def _per_row(values: torch.Tensor, rows: torch.Tensor, n: int) -> list[float]:

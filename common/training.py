@@ -124,14 +124,21 @@ def loss_positions(labels: torch.Tensor) -> torch.Tensor:
     return keep
 
 
-def labelled_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean cross-entropy over the labelled tokens of a batch (``collate``'s or ``pack``'s), as the model's own loss,
-    with the lm_head run only at the positions that predict one (transformers' ``logits_to_keep``): the prompt's
-    vocabulary-wide logits, most of a batch's and a fifth of a small model's forward, are never computed."""
+def labelled_logits(model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's (``collate``'s or ``pack``'s) logits only at the positions that predict a labelled token
+    (transformers' ``logits_to_keep``; one row per such position, in batch order), those tokens, and the positions
+    (``loss_positions``): the prompt's vocabulary-wide logits, most of a batch's and a fifth of a small model's
+    forward, are never computed."""
     labels = inputs["labels"]
     keep = loss_positions(labels)
     logits = model(**{k: v for k, v in inputs.items() if k != "labels"}, logits_to_keep=keep).logits
-    return torch.nn.functional.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]])
+    return logits, labels[:, 1:][keep[:, :-1]], keep
+
+
+def labelled_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean cross-entropy over the labelled tokens of a batch, as the model's own loss, from ``labelled_logits``."""
+    logits, targets, _ = labelled_logits(model, inputs)
+    return torch.nn.functional.cross_entropy(logits.float(), targets)
 
 
 def batch_loss(model, tokenizer, examples: list[Example], max_len: int) -> torch.Tensor:
