@@ -1,9 +1,10 @@
 """Evaluation on a client's held-out split: answer-token loss / perplexity, exact match and ROUGE-L.
 
-Loss is computed on the same chat-formatted examples as training, batched by length (one forward per batch, no
-generation), and reported per example too (mean loss per answer token and the token count), so that a comparison can
-bootstrap over held-out examples. Exact match and ROUGE-L (rouge-score, F1) come from batched greedy generation with
-left padding on a subset (``eval.generate-examples``): generation costs a decode per token, the loss does not.
+Loss is computed on the same chat-formatted examples as training, batched by length, and reported per example too
+(mean loss per answer token and the token count), so that a comparison can bootstrap over held-out examples. Exact
+match and ROUGE-L (rouge-score, F1) come from batched greedy generation (key/value cache, stopping when every row
+has ended) on a subset (``eval.generate-examples``). A generated example's prompt is encoded ONCE: its loss and its
+answer share the prompt's forward pass and cache (``losses_and_answers``); the rest get the loss only.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import math
 import re
 import string
 import time
+from typing import Any
 
 import torch
 
 from .config import EvalSection, TrainSection
 from .data import Example
-from .training import collate, encode, labelled_logits, prompt_ids
+from .training import IGNORE, Encoded, collate, encode, labelled_logits, loss_positions
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -103,31 +105,91 @@ def answer_loss(model, tokenizer, examples: list[Example], batch_size: int, max_
     return token_mean(example_losses(model, tokenizer, examples, batch_size, max_len))
 
 
+def _last_answer_start(example: Encoded) -> int:
+    """Where an encoded conversation's last assistant turn begins: what precedes it is the generation prompt."""
+    start = len(example.labels)
+    while start > 1 and example.labels[start - 1] != IGNORE:
+        start -= 1
+    return start
+
+
+def _prompt_then_answer(rows: list[Encoded], pad_id: int) -> tuple[dict[str, torch.Tensor], int]:
+    """One batch laid out as [left padding, prompt | last answer, right padding], the prompts ending in one column
+    (so that generation continues every row from there) and the answers starting in the next: input ids, labels,
+    attention mask, positions (counted over real tokens), and that column + 1."""
+    starts = [_last_answer_start(e) for e in rows]
+    width = max(starts)
+    answer = max(len(e.input_ids) - s for e, s in zip(rows, starts))
+    ids = torch.full((len(rows), width + answer), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE)
+    mask = torch.zeros_like(ids)
+    for row, (e, s) in enumerate(zip(rows, starts)):
+        span = slice(width - s, width + len(e.input_ids) - s)
+        ids[row, span], labels[row, span], mask[row, span] = torch.tensor(e.input_ids), torch.tensor(e.labels), 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": positions}, width
+
+
 @torch.no_grad()
-def generate_answers(
-    model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int, max_len: int
-) -> list[str]:
+def losses_and_answers(
+    model, tokenizer, examples: list[Example], batch_size: int, max_len: int, max_new_tokens: int
+) -> tuple[list[tuple[float, int]], list[str], float]:
+    """``example_losses`` and greedy answers to the examples' last turns from ONE encoding of each prompt: per
+    batch, a forward of the prompts (keeping their key/value cache), a forward of the answers on that cache (the
+    loss: the prompt's own labelled turns from the first, the answer's from the second), then generation from the
+    prompts' cache, cut back to the prompt. The prompt is the conversation as the loss sees it (``encode``'s cut
+    to ``max_len``). Returns the losses, the answers (both in the given order) and the seconds the loss took."""
     device = next(model.parameters()).device
-    answers: list[str] = []
-    for i in range(0, len(examples), batch_size):
-        prompts = [prompt_ids(tokenizer, e)[-(max_len - max_new_tokens) :] for e in examples[i : i + batch_size]]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(prompts):  # left padding, so every row continues from its last prompt token
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
+    encoded = [encode(tokenizer, e, max_len) for e in examples]
+    losses: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
+    answers = [""] * len(examples)
+    loss_seconds = 0.0
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
+    for start in range(0, len(order), batch_size):
+        began = time.perf_counter()
+        chunk = order[start : start + batch_size]
+        batch, width = _prompt_then_answer([encoded[i] for i in chunk], tokenizer.pad_token_id)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        labels, mask = batch["labels"], batch["attention_mask"]
+        keep = loss_positions(labels) & mask.bool()  # a padding column predicts nothing
+        targets = torch.full_like(labels, IGNORE)
+        targets[:, :-1] = labels[:, 1:]
+        values, rows = [], []
+        cache: Any = None  # the prompts' key/value cache, from the first pass on
+        for part in (slice(0, width), slice(width, labels.shape[1])):
+            out = model(
+                input_ids=batch["input_ids"][:, part],
+                attention_mask=mask[:, : part.stop],
+                position_ids=batch["position_ids"][:, part],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=keep[:, part],
+            )
+            cache = out.cache
+            values.append(
+                torch.nn.functional.cross_entropy(out.logits.float(), targets[:, part][keep[:, part]], reduction="none")
+            )
+            rows.append(keep[:, part].nonzero()[:, 0])
+        token_losses, token_rows = torch.cat(values), torch.cat(rows)
+        sums = _per_row(token_losses, token_rows, len(chunk))
+        counts = _per_row(torch.ones_like(token_losses), token_rows, len(chunk))
+        loss_seconds += time.perf_counter() - began
+        # generate() runs the prompt's last token itself (it needs one uncached input), so the cache keeps the rest
+        cache.crop(width - 1 - labels.shape[1])  # negative: the tokens to remove (every transformers 5 reads it so)
         out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
+            input_ids=batch["input_ids"][:, :width],
+            attention_mask=mask[:, :width],
+            cache=cache,
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             use_cache=True,
         )
-        answers.extend(tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out)
-    return answers
+        for row, i in enumerate(chunk):
+            losses[i] = (sums[row], int(counts[row]))
+            answers[i] = tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
+    return losses, answers, loss_seconds
 
 
 def evaluate(
@@ -147,13 +209,17 @@ def evaluate(
     start = time.perf_counter()
     examples = examples[: max_examples or cfg.max_examples]
     model.eval()
-    per_example = example_losses(model, tokenizer, examples, cfg.batch_size, train_cfg.max_seq_len)
-    loss = token_mean(per_example)
-    loss_seconds = time.perf_counter() - start
     generated = examples[: cfg.generate_examples]
-    predictions = generate_answers(
-        model, tokenizer, generated, cfg.batch_size, cfg.max_new_tokens, train_cfg.max_seq_len
+    # The generated examples' prompts are encoded once for their loss and their answers; the rest only for the loss.
+    first, predictions, loss_seconds = losses_and_answers(
+        model, tokenizer, generated, cfg.batch_size, train_cfg.max_seq_len, cfg.max_new_tokens
     )
+    rest_start = time.perf_counter()
+    per_example = first + example_losses(
+        model, tokenizer, examples[len(generated) :], cfg.batch_size, train_cfg.max_seq_len
+    )
+    loss_seconds += time.perf_counter() - rest_start
+    loss = token_mean(per_example)
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     em = [exact_match(p, e.answer) for p, e in zip(predictions, generated)]
     rouge = [scorer.score(e.answer, p)["rougeL"].fmeasure for p, e in zip(predictions, generated)]

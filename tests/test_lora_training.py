@@ -8,9 +8,9 @@ from common.adapters import attach_lora, get_adapter_arrays, save_peft_adapter, 
 from common.adapters.lora import LoraSection
 from common.config import EvalSection, TrainSection
 from common.data import Example
-from common.evaluation import answer_loss, evaluate, exact_match
+from common.evaluation import answer_loss, evaluate, exact_match, example_losses, losses_and_answers
 from common.model import load_base_model, load_tokenizer
-from common.training import IGNORE, encode, round_learning_rate, train_round
+from common.training import IGNORE, encode, prompt_ids, round_learning_rate, train_round
 
 EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(12)]
 
@@ -128,6 +128,41 @@ def test_per_example_losses_make_the_loss_and_generation_runs_on_a_subset(tiny):
     assert answer_loss(model, tokenizer, examples, 10, 64) == pytest.approx(metrics["eval_loss"], rel=1e-4)
     assert cfg.examples_at(0, 3) == cfg.examples_at(3, 3) == 10 and cfg.examples_at(1, 3) == 4
     assert EvalSection(max_examples=4).examples_at(3, 3) == 4  # final-examples 0: the same everywhere
+
+
+def test_loss_and_generation_from_one_prompt_encoding_equal_the_separate_passes(tiny):
+    """Evaluation encodes a generated example's prompt once, for its loss and its answer: the per-example losses
+    equal the plain loss pass's and the greedy answers equal generating from each prompt alone, with prompts and
+    answers of different lengths in one batch and a conversation of several turns (its earlier answer is in the
+    loss, the last one is generated)."""
+    model, tokenizer = tiny
+    torch.manual_seed(1)
+    with torch.no_grad():  # B != 0, so the adapter takes part in both passes
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    examples = [Example("toy", "Say a long thing " * (i % 5), "word " * (1 + i % 4)) for i in range(6)]
+    turns = (
+        ("system", "Be short."),
+        ("user", "One?"),
+        ("assistant", "one two"),
+        ("user", "Two?"),
+        ("assistant", "two"),
+    )
+    examples.append(Example("toy", "Two?", "two", turns))
+    model.eval()
+    losses, answers, _ = losses_and_answers(model, tokenizer, examples, 3, 96, max_new_tokens=4)
+    reference = example_losses(model, tokenizer, examples, 3, 96)
+    assert [n for _, n in losses] == [n for _, n in reference] and reference[-1][1] > len(_ids_of(tokenizer, "two"))
+    assert np.allclose([s for s, _ in losses], [s for s, _ in reference], rtol=1e-5)
+    for example, answer in zip(examples, answers):
+        prompt = torch.tensor([prompt_ids(tokenizer, example)])
+        alone = model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        assert answer == tokenizer.decode(alone[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+
+
+def _ids_of(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_exact_match_normalisation_and_lr_schedule():
