@@ -38,3 +38,27 @@ def test_the_plain_loop_and_tesseras_path_train_on_the_same_batches_from_the_sam
         assert row["first_loss"] == pytest.approx(first, rel=1e-4), row
         assert row["useful_tokens_per_second"] > 0 and row["tokens_per_second"] > row["useful_tokens_per_second"]
         assert row["peak_memory_mb"] > 0
+
+
+def test_the_gpu_federation_table_has_every_client_of_every_trained_round():
+    """``bench/gpu_federation.py`` (run on the GPU machine; by hand here on a CPU with ``--shape tiny``): a run's
+    metrics rows become one line per trained round and client, with the round's wall seconds; round 0 (evaluation
+    only) stays in the JSON, not in the table; the run config asks for every client (SecAgg+ needs 3) on the device."""
+    from pathlib import Path
+
+    from bench.gpu_federation import markdown, run_config, summarise
+
+    rows = [{"round": 0, "node": None, "seconds": 3.0}, {"round": 1, "node": None, "seconds": 9.5}]
+    for rnd in (0, 1):
+        for pid in (2, 0, 1):
+            useful = 1000.0 + pid if rnd else None
+            rows.append({"round": rnd, "node": 100 + pid, "partition_id": pid, "eval_seconds": 0.5,
+                         "loss_tokens_per_second": useful, "gpu_peak_allocated_mb": 900.0})  # fmt: skip
+    summary = summarise(rows, "fedavg secure")
+    assert [(r["round"], r["client"]) for r in summary] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert {r["round_seconds"] for r in summary if r["round"] == 1} == {9.5}
+    table = markdown(summary).splitlines()
+    assert len(table) == 2 + 3 and table[2].startswith("| fedavg secure | 1 | 0 | 1000 |") and "| 900 |" in table[2]
+    config = run_config("simgrad", True, 2, Path("/m"), "llama-1b", "cuda", Path("/r"))
+    assert "secure=true" in config and "min-train-replies=3" in config and "model.device='cuda'" in config
+    assert "pqlora.blocks=16" in config  # every block of the 1B shape
