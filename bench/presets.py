@@ -159,6 +159,27 @@ PRESETS: dict[str, Preset] = {
             overrides={**_FEW_SHOT, "model.partition-models": ",".join([SMOLLM2_ALIAS] * 4 + [QWEN_CODER_ALIAS] * 4)},
         ),
         Preset(
+            "many-members",
+            "100 clients, 25 a task (ASDiv, BoolQ, XSum, CommonsenseQA), 10 sampled to train each round, every client "
+            "evaluated (4 held-out examples) before round 1 and after the last: member-level differential privacy's "
+            "setting, where the noise on a round's mean falls as 1 / the members summed; FedAvg with dp.* at "
+            "several epsilons against FedAvg without (issue 56's table).",
+            clients=100,
+            rounds=5,
+            overrides={
+                **_BUDGET,
+                "train.local-steps": 4,
+                "data.partitioning": "by-task",
+                "data.max-examples-per-task": 400,
+                "fraction-train": 0.1,
+                "fraction-evaluate": 0.1,
+                "evaluate-all-every": 5,
+                "eval.max-examples": 4,
+                "eval.generate-examples": 1,
+            },
+            primary={"statistic": "mean client", "references": ["fedavg"]},
+        ),
+        Preset(
             "ni-categories",
             "6 clients on Natural-Instructions (seed 002's setting, VEMoE's home): three keyword categories (question "
             "generation, answer generation, incorrect answer) of two sub-tasks each, two clients per category, the "
