@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--extra", default="", help="more --run-config overrides")
+    parser.add_argument("--modes", default="plain,secure", help="which of plain and secure to run")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "federation.json"))
     args = parser.parse_args()
 
@@ -69,7 +70,7 @@ def main() -> None:
     home = prepare_home(work / "flwr-home")
     report = {"rounds": args.rounds, "clients": args.clients, "extra": args.extra, "modes": {}}
     try:
-        for mode in ("plain", "secure"):
+        for mode in args.modes.split(","):
             run_dir = work / mode
             secure = "true" if mode == "secure" else "false"
             cfg = (
