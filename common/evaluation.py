@@ -57,18 +57,20 @@ def _per_row(values: torch.Tensor, rows: torch.Tensor, n: int) -> list[float]:
     return torch.zeros(n, dtype=torch.float64, device=rows.device).index_add_(0, rows, values.double()).tolist()
 
 
+def _losses_per_row(token_losses: torch.Tensor, rows: torch.Tensor, n: int) -> list[tuple[float, int]]:
+    """Per batch row: (summed loss of its tokens, how many), from the tokens' losses and each token's row."""
+    sums, counts = _per_row(token_losses, rows, n), _per_row(torch.ones_like(token_losses), rows, n)
+    return [(total, int(count)) for total, count in zip(sums, counts)]
+
+
 @torch.no_grad()
 def example_losses(model, tokenizer, examples: list[Example], batch_size: int, max_len: int) -> list[tuple[float, int]]:
     """Per example, in the given order: (summed cross-entropy over its answer tokens, number of answer tokens)."""
     out: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
     for chunk, logits, targets, rows in _answer_logits(model, tokenizer, examples, batch_size, max_len):
         token_losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-        sums, counts = (
-            _per_row(token_losses, rows, len(chunk)),
-            _per_row(torch.ones_like(token_losses), rows, len(chunk)),
-        )
-        for row, i in enumerate(chunk):
-            out[i] = (sums[row], int(counts[row]))
+        for i, summed in zip(chunk, _losses_per_row(token_losses, rows, len(chunk))):
+            out[i] = summed
     return out
 
 
@@ -170,9 +172,7 @@ def losses_and_answers(
                 torch.nn.functional.cross_entropy(out.logits.float(), targets[:, part][keep[:, part]], reduction="none")
             )
             rows.append(keep[:, part].nonzero()[:, 0])
-        token_losses, token_rows = torch.cat(values), torch.cat(rows)
-        sums = _per_row(token_losses, token_rows, len(chunk))
-        counts = _per_row(torch.ones_like(token_losses), token_rows, len(chunk))
+        per_row = _losses_per_row(torch.cat(values), torch.cat(rows), len(chunk))
         loss_seconds += time.perf_counter() - began
         # generate() runs the prompt's last token itself (it needs one uncached input), so the cache keeps the rest
         cache.crop(width - 1 - labels.shape[1])  # negative: the tokens to remove (every transformers 5 reads it so)
@@ -187,7 +187,7 @@ def losses_and_answers(
             use_cache=True,
         )
         for row, i in enumerate(chunk):
-            losses[i] = (sums[row], int(counts[row]))
+            losses[i] = per_row[row]
             answers[i] = tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
     return losses, answers, loss_seconds
 
