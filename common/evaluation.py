@@ -19,7 +19,7 @@ import torch
 
 from .config import EvalSection, TrainSection
 from .data import Example
-from .training import IGNORE, Encoded, collate, encode, labelled_logits, loss_positions
+from .training import IGNORE, Encoded, collate, encode, labelled_logits, loss_positions, pack
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -35,21 +35,28 @@ def exact_match(prediction: str, reference: str) -> float:
     return float(normalise(prediction) == normalise(reference))
 
 
-def _answer_logits(model, tokenizer, examples: list[Example], batch_size: int, max_len: int):
-    """Per batch (in order of length, so a batch pads to similar lengths): the examples' indices, the logits at
-    the positions that predict an answer token (answer tokens in the batch, vocabulary), those tokens, and each
-    logit row's row in the batch."""
+def _answer_logits(model, tokenizer, examples: list[Example], batch_size: int, max_len: int, packed: bool = True):
+    """Per batch (in order of length, so a padded batch pads to similar lengths): the examples' indices, the logits
+    at the positions that predict an answer token (answer tokens in the batch, vocabulary), those tokens, and each
+    logit row's example in the batch. ``packed``: the batch as one padding-free row (``pack``; each example attends
+    to itself only), else padded (``collate``): the same logits to float rounding."""
     device = next(model.parameters()).device
     encoded = [encode(tokenizer, e, max_len) for e in examples]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        batch = collate([encoded[i] for i in chunk], tokenizer.pad_token_id)
+        rows = [encoded[i] for i in chunk]
+        batch = pack(rows) if packed else collate(rows, tokenizer.pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         # Logits only where an answer token is predicted (position t predicts token t + 1): the lm_head over the
         # whole vocabulary at every prompt position would be a fifth of the forward's work for nothing.
         logits, targets, keep = labelled_logits(model, batch)
-        yield chunk, logits.float(), targets, keep.nonzero()[:, 0]
+        where = keep.nonzero()
+        if packed:  # the example a position of the row belongs to, from the examples' bounds
+            example = torch.searchsorted(batch["cu_seq_lens_q"][1:].to(where.dtype), where[:, 1], right=True)
+        else:
+            example = where[:, 0]
+        yield chunk, logits.float(), targets, example
 
 
 def _per_row(values: torch.Tensor, rows: torch.Tensor, n: int) -> list[float]:
@@ -64,10 +71,13 @@ def _losses_per_row(token_losses: torch.Tensor, rows: torch.Tensor, n: int) -> l
 
 
 @torch.no_grad()
-def example_losses(model, tokenizer, examples: list[Example], batch_size: int, max_len: int) -> list[tuple[float, int]]:
-    """Per example, in the given order: (summed cross-entropy over its answer tokens, number of answer tokens)."""
+def example_losses(
+    model, tokenizer, examples: list[Example], batch_size: int, max_len: int, packed: bool = True
+) -> list[tuple[float, int]]:
+    """Per example, in the given order: (summed cross-entropy over its answer tokens, number of answer tokens).
+    ``packed``: a batch's examples in one padding-free row (the default), else padded; the same to float rounding."""
     out: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
-    for chunk, logits, targets, rows in _answer_logits(model, tokenizer, examples, batch_size, max_len):
+    for chunk, logits, targets, rows in _answer_logits(model, tokenizer, examples, batch_size, max_len, packed):
         token_losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
         for i, summed in zip(chunk, _losses_per_row(token_losses, rows, len(chunk))):
             out[i] = summed
@@ -216,7 +226,7 @@ def evaluate(
     )
     rest_start = time.perf_counter()
     per_example = first + example_losses(
-        model, tokenizer, examples[len(generated) :], cfg.batch_size, train_cfg.max_seq_len
+        model, tokenizer, examples[len(generated) :], cfg.batch_size, train_cfg.max_seq_len, train_cfg.packing
     )
     loss_seconds += time.perf_counter() - rest_start
     loss = token_mean(per_example)

@@ -109,5 +109,9 @@ def load_base_model(
         use_packed_inference(model, enabled=None if cpu_packed_inference else False)
     elif gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    # Padding-free rows (train.packing) attend per example; everything else is SDPA as before (common.attention).
+    from .attention import use_segment_attention
+
+    use_segment_attention(model)
     model.config.use_cache = False
     return model

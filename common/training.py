@@ -6,6 +6,7 @@ rate follows a cosine decay ACROSS rounds (constant inside one round), so late r
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -103,17 +104,22 @@ def collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
 
 def pack(batch: list[Encoded]) -> dict[str, torch.Tensor]:
     """The batch as ONE row without padding (``train.packing``): the examples end to end, positions restarting at 0
-    in each, and no attention mask, so that transformers attends within each example only (it reads the examples'
-    bounds from the positions: ``masking_utils.find_packed_sequence_indices``, for the eager and SDPA attentions).
+    in each, no attention mask, and the examples' bounds in ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (cumulative
+    lengths, as flash attention's variable-length kernel takes them). The base model's attention
+    (``common.attention.segment_sdpa``) attends within each example at the cost of its own length; other attentions
+    read the bounds from the positions (``masking_utils.find_packed_sequence_indices``: a mask over the whole row).
     Each example's first label is ignored, as the shifted loss of its own padded row ignores it (here the token
     before it is the previous example's last). Same loss and gradients as ``collate``'s padded batch."""
     ids = [token for e in batch for token in e.input_ids]
     labels = [label for e in batch for label in (IGNORE, *e.labels[1:])]
     positions = [p for e in batch for p in range(len(e.input_ids))]
+    bounds = torch.tensor([0, *itertools.accumulate(len(e.input_ids) for e in batch)], dtype=torch.int32)
     return {
         "input_ids": torch.tensor([ids], dtype=torch.long),
         "labels": torch.tensor([labels], dtype=torch.long),
         "position_ids": torch.tensor([positions], dtype=torch.long),
+        "cu_seq_lens_q": bounds,
+        "cu_seq_lens_k": bounds,
     }
 
 

@@ -115,7 +115,8 @@ def test_evaluate_reports_all_metrics(tiny):
 
 def test_per_example_losses_make_the_loss_and_generation_runs_on_a_subset(tiny):
     """The held-out loss is the token-weighted mean of the per-example losses a comparison bootstraps over, the same
-    whatever the batching (length-sorted batches), and only ``generate-examples`` are generated."""
+    whatever the batching (length-sorted batches, packed in one row or padded), and only ``generate-examples`` are
+    generated."""
     model, tokenizer = tiny
     examples = [Example("toy", "Say a long thing " * (i % 5), "word " * (1 + i % 4)) for i in range(10)]
     cfg = EvalSection(max_examples=4, final_examples=10, generate_examples=3, batch_size=3, max_new_tokens=2)
@@ -126,6 +127,9 @@ def test_per_example_losses_make_the_loss_and_generation_runs_on_a_subset(tiny):
     for i in (0, 7):  # each example alone gives its own loss: the order of the batches changed nothing
         assert answer_loss(model, tokenizer, [examples[i]], 1, 64) == pytest.approx(losses[i], rel=1e-4)
     assert answer_loss(model, tokenizer, examples, 10, 64) == pytest.approx(metrics["eval_loss"], rel=1e-4)
+    packed, padded = (example_losses(model, tokenizer, examples, 3, 64, packed=p) for p in (True, False))
+    assert [n for _, n in packed] == [n for _, n in padded] == list(tokens)  # one padding-free row per batch
+    assert np.allclose([s for s, _ in packed], [s for s, _ in padded], rtol=1e-5)
     assert cfg.examples_at(0, 3) == cfg.examples_at(3, 3) == 10 and cfg.examples_at(1, 3) == 4
     assert EvalSection(max_examples=4).examples_at(3, 3) == 4  # final-examples 0: the same everywhere
 
