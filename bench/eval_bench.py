@@ -7,7 +7,8 @@ one process, one after another: per client and round, a round of training (the d
 then its evaluation (8 held-out examples, all 8 generated, 16 new tokens) done two ways on the same adapter:
 ``separate``, the loss pass then generation from a fresh left-padded encoding of each prompt (what evaluation did
 until 2026-11-29), and ``shared`` (``common.evaluation.losses_and_answers``: generation continues from the loss
-pass's prompt cache). Reports seconds per client and round, their sums, evaluation over training for each way, and
+pass's prompt cache). Reports seconds per client and round, their sums, evaluation over training for each way, the
+loss pass's own share (with as many examples evaluated as trained, the floor of that ratio), and
 whether the two ways' losses agree (to float rounding) and how many answers are the same (the generation prompt of
 ``shared`` is the conversation as the loss sees it, cut to ``train.max-seq-len`` with the answer; ``separate`` cut
 the prompt to ``max-seq-len - max-new-tokens``, so long prompts may be answered differently).
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = attach_lora(load_base_model(model_name, "nf4", "cpu"), LoraSection(), seed=0)
     initial = get_adapter_arrays(model)
     train_cfg, eval_cfg = TrainSection(), EvalSection()
-    rows, totals = [], {"train": 0.0, "separate": 0.0, "shared": 0.0}
+    rows, totals = [], {"train": 0.0, "separate": 0.0, "shared": 0.0, "shared_loss": 0.0}
     for client in range(3):
         set_adapter_arrays(model, initial)  # every client starts from the same adapter, as in round 1
         train, held_out = client_data(DataSection(), client, 3, seed=0)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             loss_a, answers_a = separate(model, tokenizer, examples, eval_cfg, train_cfg.max_seq_len)
             apart = time.perf_counter() - began
             began = time.perf_counter()
-            loss_b, answers_b, _ = losses_and_answers(
+            loss_b, answers_b, loss_part = losses_and_answers(
                 model, tokenizer, examples, eval_cfg.batch_size, train_cfg.max_seq_len, eval_cfg.max_new_tokens
             )
             shared = time.perf_counter() - began
@@ -90,11 +91,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             same = sum(a == b for a, b in zip(answers_a, answers_b))
             rows.append(
                 {"client": client, "round": rnd, "train_seconds": trained, "separate_seconds": apart,
-                 "shared_seconds": shared, "loss_max_relative_difference": relative, "same_answers": same}
+                 "shared_seconds": shared, "shared_loss_seconds": loss_part, "loss_max_relative_difference": relative,
+                 "same_answers": same}
             )  # fmt: skip
             totals["train"] += trained
             totals["separate"] += apart
             totals["shared"] += shared
+            totals["shared_loss"] += loss_part
             line = f"client {client} round {rnd}: train {trained:.2f} s, evaluation separate {apart:.2f} s, "
             print(f"{line}shared {shared:.2f} s; losses within {relative:.1e}, {same}/{len(examples)} same answers")
     result = {
@@ -103,10 +106,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "totals": totals,
         "separate_over_training": totals["separate"] / totals["train"],
         "shared_over_training": totals["shared"] / totals["train"],
+        # the floor of the ratio with as many examples evaluated as trained: the loss pass alone
+        "loss_over_training": totals["shared_loss"] / totals["train"],
     }
     print(f"evaluation over training: separate {result['separate_over_training']:.2f}, shared "
           f"{result['shared_over_training']:.2f} (sums: train {totals['train']:.1f} s, separate "
-          f"{totals['separate']:.1f} s, shared {totals['shared']:.1f} s)")  # fmt: skip
+          f"{totals['separate']:.1f} s, shared {totals['shared']:.1f} s, of it the loss {totals['shared_loss']:.1f} s: "
+          f"{result['loss_over_training']:.2f} of training)")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return result
