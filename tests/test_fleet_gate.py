@@ -163,13 +163,14 @@ def test_a_chunked_body_under_the_cap_is_forwarded_whole():
 
 
 def test_a_stalled_body_is_refused_a_slow_one_is_not():
-    """A slow link (a chunk every 0.1 s, 1 s in all, over the 0.3 s timeout) is served; a body that stalls for the
-    timeout, or trickles past the whole-body deadline (--body-deadline), is refused with 408 and never forwarded."""
-    app, upstream = app_and_upstream(body_timeout=0.3, body_deadline=3.0)
+    """A slow link (a chunk every 0.1 s, 1 s in all) is served; a body silent for the 1 s timeout, or one
+    trickling past the 4 s whole-body deadline (--body-deadline), is refused with 408 and never forwarded. The
+    margins are wide (a 0.1 s gap against a 1 s limit), so a loaded machine cannot make the slow link a stalled one."""
+    app, upstream = app_and_upstream(body_timeout=1.0, body_deadline=4.0)
     slow = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=10, size=10, delay=0.1), headers=AUTH)
     assert slow.status_code == 200 and len(upstream.requests) == 1
-    stalled = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=2, size=10, delay=0.5), headers=AUTH)
-    endless = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=40, size=10, delay=0.1), headers=AUTH)
+    stalled = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=2, size=10, delay=2.0), headers=AUTH)
+    endless = call(app, "POST", "/v1/fleet/push-object", content=Body(chunks=60, size=10, delay=0.1), headers=AUTH)
     assert stalled.status_code == endless.status_code == 408 and len(upstream.requests) == 1
 
 
