@@ -4,9 +4,10 @@ A packed row (``train.packing``: ``common.training.pack``) holds a batch's examp
 path keeps attention inside each example by building a block-diagonal mask over the WHOLE row, so the attention costs
 (sum of lengths)^2 instead of the sum of squares: on a CPU at batch 8 that cost more than the padding it saved.
 ``segment_sdpa`` runs PyTorch's SDPA once per example of the row instead (causal, no mask), from the row's example
-bounds in ``cu_seq_lens_q``: the keyword transformers passes down to the attention for flash attention's
-variable-length kernel, which ``pack`` supplies. Any other call (padded batches, generation with a cache) is plain
-SDPA with transformers' own mask, so a model switched to it computes exactly what ``sdpa`` computes there.
+bounds in ``cu_seq_lens_q``, which ``pack`` supplies: the keyword transformers passes down to the attention function
+(flash attention's variable-length kernel reads it too, with ``max_length_q`` and the ``_k`` pair). Any other call
+(padded batches, generation with a cache) is plain SDPA with transformers' own mask, so a model switched to it
+computes exactly what ``sdpa`` computes there.
 
 ``use_segment_attention(model)`` switches a loaded model whose attention is ``sdpa``; the base model loader does it.
 """

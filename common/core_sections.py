@@ -161,7 +161,7 @@ class TrainSection(Section):
     max_grad_norm: float = Field(1.0, gt=0)
     # padding-free batches: a batch's examples end to end in one row, each attending to itself at the cost of its own
     # length (common.training.pack, common.attention); the same loss and gradients as the padded batch, no compute
-    # on padding: 1.25x useful tokens/s at batch 2 and 8 on a CPU (docs/tests-and-benchmarks.md). false: padded
+    # on padding: 1.12x useful tokens/s at batch 2, 1.31x at 8 on a CPU (docs/tests-and-benchmarks.md). false: padded
     packing: bool = True
     # where the lm_head runs for the loss: "labelled" only at the positions that predict a labelled (answer) token,
     # the same loss and gradients as "all" (every position, transformers' own loss) without the vocabulary-wide

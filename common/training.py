@@ -104,10 +104,10 @@ def collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
 
 def pack(batch: list[Encoded]) -> dict[str, torch.Tensor]:
     """The batch as ONE row without padding (``train.packing``): the examples end to end, positions restarting at 0
-    in each, no attention mask, and the examples' bounds in ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (cumulative
-    lengths, as flash attention's variable-length kernel takes them). The base model's attention
-    (``common.attention.segment_sdpa``) attends within each example at the cost of its own length; other attentions
-    read the bounds from the positions (``masking_utils.find_packed_sequence_indices``: a mask over the whole row).
+    in each, no attention mask, and the examples' bounds in ``cu_seq_lens_q`` (cumulative lengths, transformers'
+    name for them). The base model's attention (``common.attention.segment_sdpa``) attends within each example at
+    the cost of its own length; other attentions read the bounds from the positions
+    (``masking_utils.find_packed_sequence_indices``: a mask over the whole row).
     Each example's first label is ignored, as the shifted loss of its own padded row ignores it (here the token
     before it is the previous example's last). Same loss and gradients as ``collate``'s padded batch."""
     ids = [token for e in batch for token in e.input_ids]
@@ -119,7 +119,6 @@ def pack(batch: list[Encoded]) -> dict[str, torch.Tensor]:
         "labels": torch.tensor([labels], dtype=torch.long),
         "position_ids": torch.tensor([positions], dtype=torch.long),
         "cu_seq_lens_q": bounds,
-        "cu_seq_lens_k": bounds,
     }
 
 
