@@ -3,8 +3,12 @@
 # 4-bit model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --no-assets
 bash scripts/machine_info.sh versions
+# The model and task data (about 85 s on a fresh machine: GGUF conversions, mostly one core) beside lint; the tests
+# wait for them.
+python3 -m common.assets > /tmp/tessera-assets.log 2>&1 &
+ASSETS_PID=$!
 # The chaos test on a real network (tests/test_e2e_network.py) needs iproute2 and iptables (Debian's packages); as
 # root, install what is missing. Without them it skips, and -rs prints why.
 if [ "$(id -u)" = 0 ] && ! { command -v iptables && command -v ip && command -v tc; } >/dev/null; then
@@ -41,15 +45,30 @@ if docker info >/dev/null 2>&1; then
   IMAGE_BUILD_PID=$!
 fi
 bash scripts/lint.sh
+wait "$ASSETS_PID" || { echo "[test] fetching the assets failed:"; tail -20 /tmp/tessera-assets.log; exit 1; }
 # The unit tests and the in-process federations (tiny models; each in a child process with its own Ray: marked
-# inprocess by tests/conftest.py) on every core; then the real-model end-to-end runs one at a time: each starts its own
-# processes on all the cores (SuperLink, SuperNodes, Ray) and waits on timeouts sized for a machine of its own.
+# inprocess by tests/conftest.py) on every core; then the real-model end-to-end runs in two lanes at once: the
+# deployment tests (marked deployment: SuperLink and SuperNodes as processes of one thread each, waiting on the network
+# and on Flower's heartbeats much of the time) beside the simulations (Ray), each lane one test at a time. Both lanes
+# print as they go, each line prefixed with its lane.
 workers=$(python3 -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
-# Both phases run whatever the first gives; the script fails if either did.
+# Every phase runs whatever the one before gives; the script fails if any did.
 rc=0
 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=20 -n "$workers" -m "not e2e or inprocess" "$@" tests || rc=$?
 if [ -n "$IMAGE_BUILD_PID" ]; then
   wait "$IMAGE_BUILD_PID" || echo "[test] building the demo's image beforehand failed: $(tail -3 /tmp/tessera-image-build.log)"
 fi
-python3 -m pytest -q -p no:cacheprovider -rfEs --durations=0 -m "e2e and not inprocess" "$@" tests || rc=$?
+e2e_lane() {  # NAME MARKER-EXPRESSION [pytest args]: one lane, its exit status kept through the prefixing pipe
+  local name=$1 marker=$2
+  shift 2
+  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=0 -m "e2e and not inprocess and $marker" "$@" tests 2>&1 \
+    | sed -u "s/^/[$name] /"
+  return "${PIPESTATUS[0]}"
+}
+e2e_lane deployment "deployment" "$@" &
+DEPLOYMENT_LANE=$!
+e2e_lane simulation "not deployment" "$@" &
+SIMULATION_LANE=$!
+wait "$DEPLOYMENT_LANE" || rc=$?
+wait "$SIMULATION_LANE" || rc=$?
 exit "$rc"

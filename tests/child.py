@@ -15,6 +15,10 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
+# One ClientApp actor per in-process federation, whatever the cores: the tiny models' work is milliseconds, an actor's
+# start (imports, model load) seconds of CPU; xdist runs other tests on the other cores.
+SIMULATION_BACKEND = {"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 1}}
+
 
 def run_in_child(module: str, function: str, *args: Any, timeout: float = 600) -> None:
     """``module.function(*args)`` (JSON-able arguments) in a fresh interpreter; fail the test if it fails."""

@@ -19,7 +19,7 @@ from common.data.members import write_members
 from deploy.certs import generate
 from deploy.loopback import LoopbackFederation
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.deployment]
 
 ROUNDS = 2
 STEP_TIMEOUT = 600  # seconds for any one stage; the whole module is bounded by a few of them

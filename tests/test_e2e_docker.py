@@ -26,7 +26,7 @@ import pytest
 from deploy.certs import generate
 from deploy.loopback import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.deployment]
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "tessera:cpu"

@@ -19,7 +19,7 @@ import pytest
 from deploy.netns import GATE_PORT, Network, NetworkFederation, network_unavailable
 from strategies.aggregation import secagg_error_bound, weighted_mean
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2700)]
+pytestmark = [pytest.mark.e2e, pytest.mark.deployment, pytest.mark.timeout(2700)]
 
 NODES, ROUNDS = 4, 4
 STEP_TIMEOUT = 600

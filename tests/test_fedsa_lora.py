@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from child import run_in_child
+from child import SIMULATION_BACKEND, run_in_child
 from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -311,9 +311,7 @@ def both_modes_in_process(tmp_path: str) -> None:
             }
         (out / "result.json").write_text(json.dumps(result))
 
-    run_simulation(
-        server_app=server, client_app=client, num_supernodes=3, backend_config={"client_resources": {"num_cpus": 1}}
-    )
+    run_simulation(server_app=server, client_app=client, num_supernodes=3, backend_config=SIMULATION_BACKEND)
 
 
 def test_plain_and_secure_rounds_average_the_same_a_and_b_stays_with_each_client(tmp_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from child import run_in_child
+from child import SIMULATION_BACKEND, run_in_child
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -115,7 +115,7 @@ def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool, liar: s
         server_app=server,
         client_app=client,
         num_supernodes=num_nodes,
-        backend_config={"client_resources": {"num_cpus": 1}},
+        backend_config=SIMULATION_BACKEND,
     )
 
 
@@ -256,9 +256,7 @@ def hostile_rounds_in_process(tmp_path: str) -> None:
             }
         (Path(tmp_path) / "result.json").write_text(json.dumps(out))
 
-    run_simulation(
-        server_app=server, client_app=client, num_supernodes=4, backend_config={"client_resources": {"num_cpus": 1}}
-    )
+    run_simulation(server_app=server, client_app=client, num_supernodes=4, backend_config=SIMULATION_BACKEND)
 
 
 @pytest.fixture(scope="module")

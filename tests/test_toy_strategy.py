@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from child import run_in_child
+from child import SIMULATION_BACKEND, run_in_child
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -51,9 +51,7 @@ def run_in_process(run_config: dict, nodes: int, hostile: dict[str, str] | None 
         context.run_config = dict(run_config)
         run_federation(grid, context)
 
-    run_simulation(
-        server_app=server, client_app=client, num_supernodes=nodes, backend_config={"client_resources": {"num_cpus": 1}}
-    )
+    run_simulation(server_app=server, client_app=client, num_supernodes=nodes, backend_config=SIMULATION_BACKEND)
 
 
 def _client_app(
