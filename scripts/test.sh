@@ -46,6 +46,7 @@ if docker info >/dev/null 2>&1; then
 fi
 bash scripts/lint.sh
 wait "$ASSETS_PID" || { echo "[test] fetching the assets failed:"; tail -20 /tmp/tessera-assets.log; exit 1; }
+echo "[test] set-up and lint done at ${SECONDS} s"
 # The unit tests and the in-process federations (tiny models; each in a child process with its own Ray: marked
 # inprocess by tests/conftest.py) on every core; then the real-model end-to-end runs in two lanes at once: the
 # deployment tests (marked deployment: SuperLink and SuperNodes as processes of one thread each, waiting on the network
@@ -55,15 +56,18 @@ workers=$(python3 -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)
 # Every phase runs whatever the one before gives; the script fails if any did.
 rc=0
 python3 -m pytest -q -p no:cacheprovider -rfEs --durations=20 -n "$workers" -m "not e2e or inprocess" "$@" tests || rc=$?
+echo "[test] unit tests and in-process federations done at ${SECONDS} s"
 if [ -n "$IMAGE_BUILD_PID" ]; then
   wait "$IMAGE_BUILD_PID" || echo "[test] building the demo's image beforehand failed: $(tail -3 /tmp/tessera-image-build.log)"
 fi
 e2e_lane() {  # NAME MARKER-EXPRESSION [pytest args]: one lane, its exit status kept through the prefixing pipe
   local name=$1 marker=$2
   shift 2
-  python3 -m pytest -q -p no:cacheprovider -rfEs --durations=0 -m "e2e and not inprocess and $marker" "$@" tests 2>&1 \
-    | sed -u "s/^/[$name] /"
-  return "${PIPESTATUS[0]}"
+  local status=0
+  python3 -m pytest -v -p no:cacheprovider -rfEs --durations=0 -m "e2e and not inprocess and $marker" "$@" tests 2>&1 \
+    | sed -u "s/^/[$name] /" || status=${PIPESTATUS[0]}
+  echo "[test] e2e lane $name done at ${SECONDS} s (exit $status)"
+  return "$status"
 }
 e2e_lane deployment "deployment" "$@" &
 DEPLOYMENT_LANE=$!
