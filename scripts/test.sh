@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --no-assets
 bash scripts/machine_info.sh versions
 # The model and task data (about 85 s on a fresh machine: GGUF conversions, mostly one core) beside lint; the tests
-# wait for them.
+# wait for them. The demo's image build below fetches them too: common.assets converts under file locks, so that call
+# waits for this one's and then finds them.
 python3 -m common.assets > /tmp/tessera-assets.log 2>&1 &
 ASSETS_PID=$!
 # The chaos test on a real network (tests/test_e2e_network.py) needs iproute2 and iptables (Debian's packages); as
