@@ -66,3 +66,14 @@ def use_segment_attention(model: torch.nn.Module) -> bool:
         return False
     model.set_attn_implementation(SEGMENT_SDPA)  # type: ignore[operator]
     return True
+
+
+def attends_within_examples(model: torch.nn.Module) -> bool:
+    """Whether a packed row's examples attend each to itself only in a forward that fills a key/value cache:
+    :func:`segment_sdpa` without a sliding window does. transformers builds its own packed-row mask only without a
+    cache, so any other attention would let such a row's examples attend to each other."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != SEGMENT_SDPA:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return not getattr(text, "sliding_window", None)

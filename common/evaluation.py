@@ -16,10 +16,12 @@ import time
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
+from .attention import attends_within_examples
 from .config import EvalSection, TrainSection
 from .data import Example
-from .training import IGNORE, Encoded, collate, encode, labelled_logits, loss_positions, pack
+from .training import IGNORE, Encoded, collate, encode, labelled_forward, pack
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -35,28 +37,38 @@ def exact_match(prediction: str, reference: str) -> float:
     return float(normalise(prediction) == normalise(reference))
 
 
-def _answer_logits(model, tokenizer, examples: list[Example], batch_size: int, max_len: int, packed: bool = True):
-    """Per batch (in order of length, so a padded batch pads to similar lengths): the examples' indices, the logits
-    at the positions that predict an answer token (answer tokens in the batch, vocabulary), those tokens, and each
-    logit row's example in the batch. ``packed``: the batch as one padding-free row (``pack``; each example attends
-    to itself only), else padded (``collate``): the same logits to float rounding."""
-    device = next(model.parameters()).device
-    encoded = [encode(tokenizer, e, max_len) for e in examples]
+def _batches_by_length(encoded: list[Encoded], batch_size: int):
+    """The examples' indices in batches, in order of length (so that a padded batch pads to similar lengths)."""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
     for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        rows = [encoded[i] for i in chunk]
-        batch = pack(rows) if packed else collate(rows, tokenizer.pad_token_id)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        # Logits only where an answer token is predicted (position t predicts token t + 1): the lm_head over the
-        # whole vocabulary at every prompt position would be a fifth of the forward's work for nothing.
-        logits, targets, keep = labelled_logits(model, batch)
-        where = keep.nonzero()
-        if packed:  # the example a position of the row belongs to, from the examples' bounds
-            example = torch.searchsorted(batch["cu_seq_lens_q"][1:].to(where.dtype), where[:, 1], right=True)
-        else:
-            example = where[:, 0]
-        yield chunk, logits.float(), targets, example
+        yield order[start : start + batch_size]
+
+
+def _scored(model, rows: list[Encoded], pad_id: int, packed: bool, **forward):
+    """One batch's forward with logits only where an answer token is predicted (position t predicts token t + 1):
+    the lm_head over the whole vocabulary at every prompt position would be a fifth of the forward's work for
+    nothing. Returns the model's output (``forward`` passed on, e.g. ``use_cache``), the batch, those logits (answer
+    tokens in the batch, vocabulary), the tokens, and each logit row's example in the batch. ``packed``: the batch as
+    one padding-free row (``pack``; each example attends to itself only), else padded (``collate``): the same
+    logits to float rounding."""
+    device = next(model.parameters()).device
+    batch = pack(rows) if packed else collate(rows, pad_id)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    out, targets, keep = labelled_forward(model, batch, **forward)
+    where = keep.nonzero()
+    if packed:  # the example a position of the row belongs to, from the examples' bounds
+        example = torch.searchsorted(batch["cu_seq_lens_q"][1:].to(where.dtype), where[:, 1], right=True)
+    else:
+        example = where[:, 0]
+    return out, batch, out.logits.float(), targets, example
+
+
+def _answer_logits(model, tokenizer, examples: list[Example], batch_size: int, max_len: int, packed: bool = True):
+    """Per batch (``_batches_by_length``): the examples' indices and ``_scored``'s logits, tokens and examples."""
+    encoded = [encode(tokenizer, e, max_len) for e in examples]
+    for chunk in _batches_by_length(encoded, batch_size):
+        _, _, logits, targets, example = _scored(model, [encoded[i] for i in chunk], tokenizer.pad_token_id, packed)
+        yield chunk, logits, targets, example
 
 
 def _per_row(values: torch.Tensor, rows: torch.Tensor, n: int) -> list[float]:
@@ -125,21 +137,36 @@ def _last_answer_start(example: Encoded) -> int:
     return start
 
 
-def _prompt_then_answer(rows: list[Encoded], pad_id: int) -> tuple[dict[str, torch.Tensor], int]:
-    """One batch laid out as [left padding, prompt | last answer, right padding], the prompts ending in one column
-    (so that generation continues every row from there) and the answers starting in the next: input ids, labels,
-    attention mask, positions (counted over real tokens), and that column + 1."""
-    starts = [_last_answer_start(e) for e in rows]
-    width = max(starts)
-    answer = max(len(e.input_ids) - s for e, s in zip(rows, starts))
-    ids = torch.full((len(rows), width + answer), pad_id, dtype=torch.long)
-    labels = torch.full_like(ids, IGNORE)
+def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths ending in one column (what batched generation continues): ids and mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for row, (e, s) in enumerate(zip(rows, starts)):
-        span = slice(width - s, width + len(e.input_ids) - s)
-        ids[row, span], labels[row, span], mask[row, span] = torch.tensor(e.input_ids), torch.tensor(e.labels), 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": positions}, width
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p, dtype=torch.long), 1
+    return ids, mask
+
+
+def _prompt_cache(model, cache: Any, sources: list[tuple[int, int]], lengths: list[int], width: int) -> DynamicCache:
+    """A key/value cache cut back to each example's prompt and laid out as a left-padded batch: example i's
+    ``lengths[i]`` tokens, from row ``sources[i][0]`` of ``cache`` at column ``sources[i][1]`` on, in the last
+    columns of its row of ``width``. Each example's keys were computed at its own positions, attending to itself
+    only (a packed row's examples from their bounds, a padded row from column 0), so they are the keys of that
+    prompt encoded alone; the padding columns are zeros that the attention mask hides."""
+    device = cache.layers[0].keys.device
+    rows = torch.tensor([row for row, _ in sources], dtype=torch.long)[:, None]
+    columns = torch.zeros(len(sources), width, dtype=torch.long)
+    filled = torch.zeros(len(sources), width, dtype=torch.bool)
+    for example, ((_, start), n) in enumerate(zip(sources, lengths)):
+        columns[example, width - n :] = torch.arange(start, start + n)
+        filled[example, width - n :] = True
+    rows, columns, hidden = rows.to(device), columns.to(device), (~filled).to(device)[:, None, :, None]
+    prompts = DynamicCache(config=model.config)
+    for number, layer in enumerate(cache.layers):
+        # (rows, heads, length, head dim) -> (examples, width, heads, head dim) -> (examples, heads, width, head dim)
+        keys, values = (t.transpose(1, 2)[rows, columns].transpose(1, 2) for t in (layer.keys, layer.values))
+        prompts.update(keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0), number)
+    return prompts
 
 
 @torch.no_grad()
@@ -147,58 +174,46 @@ def losses_and_answers(
     model, tokenizer, examples: list[Example], batch_size: int, max_len: int, max_new_tokens: int
 ) -> tuple[list[tuple[float, int]], list[str], float]:
     """``example_losses`` and greedy answers to the examples' last turns from ONE encoding of each prompt: per
-    batch, a forward of the prompts (keeping their key/value cache), a forward of the answers on that cache (the
-    loss: the prompt's own labelled turns from the first, the answer's from the second), then generation from the
-    prompts' cache, cut back to the prompt. The prompt is the conversation as the loss sees it (``encode``'s cut
-    to ``max_len``). Returns the losses, the answers (both in the given order) and the seconds the loss took."""
-    device = next(model.parameters()).device
+    batch, the loss pass of ``example_losses`` (the whole conversations, packed in one padding-free row where the
+    model's attention keeps examples apart with a cache, else padded), keeping its key/value cache; then generation
+    continues each example from that cache cut back to its prompt and laid out as a left-padded batch
+    (``_prompt_cache``). The prompt is the conversation as the loss sees it
+    (``encode``'s cut to ``max_len``). Returns the losses, the answers (both in the given order) and the seconds the
+    loss took."""
     encoded = [encode(tokenizer, e, max_len) for e in examples]
     losses: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
     answers = [""] * len(examples)
     loss_seconds = 0.0
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
-    for start in range(0, len(order), batch_size):
+    pad_id = tokenizer.pad_token_id
+    # One padding-free row per batch where each example attends to itself only even while filling a cache;
+    # otherwise a padded batch (the same losses and keys to float rounding).
+    packed = attends_within_examples(model)
+    for chunk in _batches_by_length(encoded, batch_size):
         began = time.perf_counter()
-        chunk = order[start : start + batch_size]
-        batch, width = _prompt_then_answer([encoded[i] for i in chunk], tokenizer.pad_token_id)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        labels, mask = batch["labels"], batch["attention_mask"]
-        keep = loss_positions(labels) & mask.bool()  # a padding column predicts nothing
-        targets = torch.full_like(labels, IGNORE)
-        targets[:, :-1] = labels[:, 1:]
-        values, rows = [], []
-        cache: Any = None  # the prompts' key/value cache, from the first pass on
-        for part in (slice(0, width), slice(width, labels.shape[1])):
-            out = model(
-                input_ids=batch["input_ids"][:, part],
-                attention_mask=mask[:, : part.stop],
-                position_ids=batch["position_ids"][:, part],
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=keep[:, part],
-            )
-            cache = out.cache
-            values.append(
-                torch.nn.functional.cross_entropy(out.logits.float(), targets[:, part][keep[:, part]], reduction="none")
-            )
-            rows.append(keep[:, part].nonzero()[:, 0])
-        per_row = _losses_per_row(torch.cat(values), torch.cat(rows), len(chunk))
+        rows = [encoded[i] for i in chunk]
+        out, batch, logits, targets, example = _scored(model, rows, pad_id, packed, use_cache=True)
+        token_losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+        per_row = _losses_per_row(token_losses, example, len(chunk))
         loss_seconds += time.perf_counter() - began
-        # generate() runs the prompt's last token itself (it needs one uncached input), so the cache keeps the rest
-        cache.crop(width - 1 - labels.shape[1])  # negative: the tokens to remove (every transformers 5 reads it so)
-        out = model.generate(
-            input_ids=batch["input_ids"][:, :width],
-            attention_mask=mask[:, :width],
+        prompts = [e.input_ids[: _last_answer_start(e)] for e in rows]
+        ids, mask = _left_padded(prompts, pad_id)
+        # where each example's cache begins: (row, column) of the packed row, or its own padded row
+        sources = [(0, int(a)) for a in batch["cu_seq_lens_q"][:-1]] if packed else [(r, 0) for r in range(len(rows))]
+        # generate() runs each prompt's last token itself (it needs one uncached input): the cache holds the rest
+        cache = _prompt_cache(model, out.cache, sources, [len(p) - 1 for p in prompts], ids.shape[1] - 1)
+        generated = model.generate(
+            input_ids=ids.to(logits.device),
+            attention_mask=mask.to(logits.device),
             cache=cache,
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
+            pad_token_id=pad_id,
             eos_token_id=tokenizer.eos_token_id,
             use_cache=True,
         )
         for row, i in enumerate(chunk):
             losses[i] = per_row[row]
-            answers[i] = tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
+            answers[i] = tokenizer.decode(generated[row, ids.shape[1] :], skip_special_tokens=True).strip()
     return losses, answers, loss_seconds
 
 

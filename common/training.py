@@ -11,6 +11,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -129,15 +130,22 @@ def loss_positions(labels: torch.Tensor) -> torch.Tensor:
     return keep
 
 
-def labelled_logits(model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A batch's (``collate``'s or ``pack``'s) logits only at the positions that predict a labelled token
-    (transformers' ``logits_to_keep``; one row per such position, in batch order), those tokens, and the positions
-    (``loss_positions``): the prompt's vocabulary-wide logits, most of a batch's and a fifth of a small model's
+def labelled_forward(model, inputs: dict[str, torch.Tensor], **forward) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """A batch's (``collate``'s or ``pack``'s) forward with logits only at the positions that predict a labelled
+    token (transformers' ``logits_to_keep``; one row per such position, in batch order): the model's output (its
+    ``logits`` those rows; ``forward``, e.g. ``use_cache``, passed on), those tokens, and the positions
+    (``loss_positions``). The prompt's vocabulary-wide logits, most of a batch's and a fifth of a small model's
     forward, are never computed."""
     labels = inputs["labels"]
     keep = loss_positions(labels)
-    logits = model(**{k: v for k, v in inputs.items() if k != "labels"}, logits_to_keep=keep).logits
-    return logits, labels[:, 1:][keep[:, :-1]], keep
+    out = model(**{k: v for k, v in inputs.items() if k != "labels"}, logits_to_keep=keep, **forward)
+    return out, labels[:, 1:][keep[:, :-1]], keep
+
+
+def labelled_logits(model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``labelled_forward``'s logits, tokens and positions."""
+    out, targets, keep = labelled_forward(model, inputs)
+    return out.logits, targets, keep
 
 
 def labelled_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

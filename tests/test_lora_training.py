@@ -6,6 +6,7 @@ import torch
 
 from common.adapters import attach_lora, get_adapter_arrays, save_peft_adapter, set_adapter_arrays
 from common.adapters.lora import LoraSection
+from common.attention import SEGMENT_SDPA, attends_within_examples
 from common.config import EvalSection, TrainSection
 from common.data import Example
 from common.evaluation import answer_loss, evaluate, exact_match, example_losses, losses_and_answers
@@ -134,12 +135,17 @@ def test_per_example_losses_make_the_loss_and_generation_runs_on_a_subset(tiny):
     assert EvalSection(max_examples=4).examples_at(3, 3) == 4  # final-examples 0: the same everywhere
 
 
-def test_loss_and_generation_from_one_prompt_encoding_equal_the_separate_passes(tiny):
+@pytest.mark.parametrize("attention", [SEGMENT_SDPA, "sdpa"])
+def test_loss_and_generation_from_one_prompt_encoding_equal_the_separate_passes(tiny, attention):
     """Evaluation encodes a generated example's prompt once, for its loss and its answer: the per-example losses
     equal the plain loss pass's and the greedy answers equal generating from each prompt alone, with prompts and
     answers of different lengths in one batch and a conversation of several turns (its earlier answer is in the
-    loss, the last one is generated)."""
+    loss, the last one is generated). Both layouts of the shared pass: one packed row (the base model's attention,
+    each example attending to itself) and a padded batch (any other attention: transformers' packed-row mask is not
+    built while a cache is filled)."""
     model, tokenizer = tiny
+    model.set_attn_implementation(attention)
+    assert attends_within_examples(model) == (attention == SEGMENT_SDPA)
     torch.manual_seed(1)
     with torch.no_grad():  # B != 0, so the adapter takes part in both passes
         for name, p in model.named_parameters():
