@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from .attention import attends_within_examples
 from .config import EvalSection, TrainSection
 from .data import Example
-from .training import IGNORE, Encoded, collate, encode, labelled_forward, pack
+from .training import IGNORE, Encoded, collate, encode, labelled_forward, pack, to_device
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -53,11 +53,11 @@ def _scored(model, rows: list[Encoded], pad_id: int, packed: bool, **forward):
     logits to float rounding."""
     device = next(model.parameters()).device
     batch = pack(rows) if packed else collate(rows, pad_id)
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = to_device(batch, device)
     out, targets, keep = labelled_forward(model, batch, **forward)
     where = keep.nonzero()
     if packed:  # the example a position of the row belongs to, from the examples' bounds
-        example = torch.searchsorted(batch["cu_seq_lens_q"][1:].to(where.dtype), where[:, 1], right=True)
+        example = torch.searchsorted(batch["cu_seq_lens_q"][1:].to(where), where[:, 1], right=True)
     else:
         example = where[:, 0]
     return out, batch, out.logits.float(), targets, example

@@ -123,6 +123,13 @@ def pack(batch: list[Encoded]) -> dict[str, torch.Tensor]:
     }
 
 
+def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """A batch (``collate``'s or ``pack``'s) on ``device``, but a packed row's bounds (``cu_seq_lens_q``) stay on
+    the host: ``common.attention.segment_sdpa`` reads them as integers in every layer, which on a GPU copy would
+    wait for the device once per layer."""
+    return {k: v if k == "cu_seq_lens_q" else v.to(device) for k, v in batch.items()}
+
+
 def loss_positions(labels: torch.Tensor) -> torch.Tensor:
     """(rows, positions) bool: the positions whose logits predict a labelled token (position t predicts t + 1)."""
     keep = torch.zeros_like(labels, dtype=torch.bool)
@@ -158,7 +165,7 @@ def batch_loss(model, tokenizer, examples: list[Example], max_len: int) -> torch
     """Mean answer-token cross-entropy of one batch (with the graph, for gradients)."""
     device = next(model.parameters()).device
     batch = collate([encode(tokenizer, e, max_len) for e in examples], tokenizer.pad_token_id)
-    return labelled_loss(model, {k: v.to(device) for k, v in batch.items()})
+    return labelled_loss(model, to_device(batch, device))
 
 
 def round_learning_rate(cfg: TrainSection, server_round: int, num_rounds: int) -> float:
@@ -187,7 +194,7 @@ def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection
         share = sum(_answer_tokens(e) for e in piece) / total
         if share == 0:
             continue
-        inputs = {k: v.to(device) for k, v in (pack(piece) if cfg.packing else collate(piece, pad_id)).items()}
+        inputs = to_device(pack(piece) if cfg.packing else collate(piece, pad_id), device)
         loss = labelled_loss(model, inputs) if cfg.loss_logits == "labelled" else model(**inputs).loss
         loss = loss * share / cfg.grad_accum_steps
         loss.backward()

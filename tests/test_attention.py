@@ -10,7 +10,7 @@ from common.adapters.lora import LoraSection
 from common.attention import SEGMENT_SDPA, segment_sdpa
 from common.data import Example
 from common.model import load_base_model, load_tokenizer
-from common.training import collate, encode, pack
+from common.training import collate, encode, pack, to_device
 
 
 class _Attention(torch.nn.Module):
@@ -79,3 +79,13 @@ def test_the_base_model_attends_per_example_when_packed_and_as_sdpa_otherwise(ti
         n = len(e.input_ids)
         torch.testing.assert_close(ours_packed[start : start + n], ours_padded[row, :n], rtol=1e-5, atol=1e-5)
         start += n
+
+
+def test_a_packed_batch_on_a_device_keeps_its_bounds_on_the_host(tiny_llama_dir):
+    """segment_sdpa reads a packed row's bounds as integers in every layer: on a GPU, a device copy of them would
+    wait for the device in each layer, so ``to_device`` moves everything but them ('meta' stands in for a GPU)."""
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    batch = pack([encode(tokenizer, Example("toy", question, "1"), 64) for question in ("One?", "Two?")])
+    moved = to_device(batch, "meta")
+    assert moved.keys() == batch.keys() and moved["cu_seq_lens_q"].device.type == "cpu"
+    assert all(v.device.type == "meta" for k, v in moved.items() if k != "cu_seq_lens_q")
