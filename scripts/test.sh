@@ -78,7 +78,10 @@ deployment_lane() {
 }
 deployment_lane "$@" &
 DEPLOYMENT_LANE=$!
-e2e_lane simulation "not deployment" tests "$@" &
+# The simulations' ClientApp actors compute with one torch thread (Ray passes OMP_NUM_THREADS on; Flower gives an
+# actor 2 CPUs): beside the deployment lane, two threads of one actor wait for each other whenever the other lane
+# holds a core.
+(export OMP_NUM_THREADS=1 && e2e_lane simulation "not deployment" tests "$@") &
 SIMULATION_LANE=$!
 wait "$DEPLOYMENT_LANE" || rc=$?
 wait "$SIMULATION_LANE" || rc=$?
