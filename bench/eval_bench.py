@@ -28,7 +28,7 @@ from common.adapters import attach_lora, get_adapter_arrays, set_adapter_arrays
 from common.adapters.lora import LoraSection
 from common.config import DataSection, EvalSection, TrainSection
 from common.data import client_data
-from common.evaluation import example_losses, losses_and_answers
+from common.evaluation import example_losses, left_padded, losses_and_answers
 from common.model import load_base_model, load_tokenizer
 from common.training import prompt_ids, round_learning_rate, train_round
 
@@ -41,11 +41,8 @@ def separate(model, tokenizer, examples, cfg: EvalSection, max_len: int) -> tupl
     for i in range(0, len(examples), cfg.batch_size):
         batch = examples[i : i + cfg.batch_size]
         prompts = [prompt_ids(tokenizer, e)[-(max_len - cfg.max_new_tokens) :] for e in batch]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
+        ids, mask = left_padded(prompts, tokenizer.pad_token_id)
+        width = ids.shape[1]
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,

@@ -137,7 +137,7 @@ def _last_answer_start(example: Encoded) -> int:
     return start
 
 
-def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts of different lengths ending in one column (what batched generation continues): ids and mask."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -171,15 +171,21 @@ def _prompt_cache(model, cache: Any, sources: list[tuple[int, int]], lengths: li
 
 @torch.no_grad()
 def losses_and_answers(
-    model, tokenizer, examples: list[Example], batch_size: int, max_len: int, max_new_tokens: int
+    model,
+    tokenizer,
+    examples: list[Example],
+    batch_size: int,
+    max_len: int,
+    max_new_tokens: int,
+    packed: bool = True,
 ) -> tuple[list[tuple[float, int]], list[str], float]:
     """``example_losses`` and greedy answers to the examples' last turns from ONE encoding of each prompt: per
     batch, the loss pass of ``example_losses`` (the whole conversations, packed in one padding-free row where the
     model's attention keeps examples apart with a cache, else padded), keeping its key/value cache; then generation
     continues each example from that cache cut back to its prompt and laid out as a left-padded batch
-    (``_prompt_cache``). The prompt is the conversation as the loss sees it
-    (``encode``'s cut to ``max_len``). Returns the losses, the answers (both in the given order) and the seconds the
-    loss took."""
+    (``_prompt_cache``). ``packed=False`` (``train.packing`` off) pads every batch. The prompt is the conversation as
+    the loss sees it (``encode``'s cut to ``max_len``). Returns the losses, the answers (both in the given order) and
+    the seconds the loss took."""
     encoded = [encode(tokenizer, e, max_len) for e in examples]
     losses: list[tuple[float, int]] = [(0.0, 0)] * len(examples)
     answers = [""] * len(examples)
@@ -187,7 +193,7 @@ def losses_and_answers(
     pad_id = tokenizer.pad_token_id
     # One padding-free row per batch where each example attends to itself only even while filling a cache;
     # otherwise a padded batch (the same losses and keys to float rounding).
-    packed = attends_within_examples(model)
+    packed = packed and attends_within_examples(model)
     for chunk in _batches_by_length(encoded, batch_size):
         began = time.perf_counter()
         rows = [encoded[i] for i in chunk]
@@ -196,7 +202,7 @@ def losses_and_answers(
         per_row = _losses_per_row(token_losses, example, len(chunk))
         loss_seconds += time.perf_counter() - began
         prompts = [e.input_ids[: _last_answer_start(e)] for e in rows]
-        ids, mask = _left_padded(prompts, pad_id)
+        ids, mask = left_padded(prompts, pad_id)
         # where each example's cache begins: (row, column) of the packed row, or its own padded row
         sources = [(0, int(a)) for a in batch["cu_seq_lens_q"][:-1]] if packed else [(r, 0) for r in range(len(rows))]
         # generate() runs each prompt's last token itself (it needs one uncached input): the cache holds the rest
@@ -237,7 +243,7 @@ def evaluate(
     generated = examples[: cfg.generate_examples]
     # The generated examples' prompts are encoded once for their loss and their answers; the rest only for the loss.
     first, predictions, loss_seconds = losses_and_answers(
-        model, tokenizer, generated, cfg.batch_size, train_cfg.max_seq_len, cfg.max_new_tokens
+        model, tokenizer, generated, cfg.batch_size, train_cfg.max_seq_len, cfg.max_new_tokens, train_cfg.packing
     )
     rest_start = time.perf_counter()
     per_example = first + example_losses(
