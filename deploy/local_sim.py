@@ -58,9 +58,12 @@ def flwr_run(
     home: Path, run_config: str, num_clients: int = 3, timeout: float = 900, client_cpus: int | None = None
 ) -> subprocess.CompletedProcess:
     """Run the app in this repository to the end; return the finished process (stdout holds the streamed log).
-    ``client_cpus``: CPUs per simulated client (Flower's default is 2): Ray runs (cores // client_cpus) ClientApp
-    actors at once, each with that many torch threads."""
+    ``client_cpus``: CPUs per simulated client: Ray runs (cores // client_cpus) ClientApp actors at once, each with
+    that many torch threads. By default ``OMP_NUM_THREADS`` where the caller set it (a client computing with N threads
+    needs N CPUs; one thread each on two cores: two actors at once), else Flower's 2."""
     prepare_home(home)
+    if client_cpus is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        client_cpus = max(1, int(os.environ["OMP_NUM_THREADS"]))
     federation = f"num-supernodes={num_clients}" + (f" client-resources-num-cpus={client_cpus}" if client_cpus else "")
     cmd = [
         "flwr",

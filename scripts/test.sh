@@ -78,9 +78,10 @@ deployment_lane() {
 }
 deployment_lane "$@" &
 DEPLOYMENT_LANE=$!
-# The simulations' ClientApp actors compute with one torch thread (Ray passes OMP_NUM_THREADS on; Flower gives an
-# actor 2 CPUs): beside the deployment lane, two threads of one actor wait for each other whenever the other lane
-# holds a core.
+# The simulations' ClientApp actors compute with one torch thread each (Ray passes OMP_NUM_THREADS on), and
+# deploy.local_sim.flwr_run then gives a simulated client one CPU: one actor per core. Two threads of one actor wait
+# for each other whenever the other lane holds a core; two one-thread actors use whatever the deployment lane leaves
+# idle, and both cores once it has ended.
 (export OMP_NUM_THREADS=1 && e2e_lane simulation "not deployment" tests "$@") &
 SIMULATION_LANE=$!
 wait "$DEPLOYMENT_LANE" || rc=$?
