@@ -51,12 +51,12 @@ _PACK_TILE = 32
 
 
 # Set only inside ``emulated_packed_kernel``.
-_emulation = {"active": False}
+_emulation = {"on": False}
 
 
 def cpu_kernel_available() -> bool:
     """Whether bitsandbytes has its packed 4-bit CPU kernel on this machine (it needs AVX512-BF16)."""
-    return _emulation["active"] or bool(has_avx512bf16())
+    return _emulation["on"] or bool(has_avx512bf16())
 
 
 def packable(layer: bnb.nn.Linear4bit) -> bool:
@@ -211,9 +211,9 @@ def emulated_packed_kernel() -> Iterator[dict[str, int]]:
 
     lib = torch.library.Library("bitsandbytes", "IMPL")
     lib.impl("gemv_4bit", counted, "CPU")
-    _emulation["active"] = True
+    _emulation["on"] = True
     try:
         yield calls
     finally:
-        _emulation["active"] = False
+        _emulation["on"] = False
         lib._destroy()
