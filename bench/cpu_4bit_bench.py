@@ -16,6 +16,10 @@ On the real SmolLM2-135M in NF4 (fp32 compute on the CPU) with LoRA r=4 on q/v/o
    path (dequantising each weight on the forward and again on the backward) against the dequantised copy (since
    2026-11-29, what every CPU forward of a layer without the packed kernel uses), steps alternated on the same model
    (median seconds of 6 each), and whether the loss and gradients are identical.
+4. Decoding's matmuls, on every CPU: a greedy token at 8 rows multiplies by every dequantised weight (the model's
+   210 layers and its tied head). ``F.linear`` (MKL, what evaluation runs) against oneDNN's inner product on weights
+   packed once (``torch.ops.mkldnn._reorder_linear_weight``), best of 5 ms, and their max relative difference; the
+   seconds to read the layers' bytes once (``sum``) as this machine's bandwidth for comparison.
 Writes ``bench/results/cpu_4bit.json`` and prints it.
 """
 
@@ -149,6 +153,36 @@ def training_step(data, steps: int = 6) -> dict[str, float | bool]:
     }
 
 
+def decode_matmuls(rows: int = 8) -> dict[str, float]:
+    model = load_base_model(MODEL, "nf4", "cpu", cpu_packed_inference=False).eval()
+    layers = [m for m in model.modules() if isinstance(m, bnb_cpu.PackedInferenceLinear4bit)]
+    weights = [m.dequantised_weight(torch.float32) for m in layers]
+    head = model.get_output_embeddings().weight.detach()
+    inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights + [head]}}
+    out: dict[str, float] = {"layers": len(weights), "layer_mb": sum(w.numel() for w in weights) * 4 / 2**20}
+    with torch.no_grad():
+        for name, group in (("layers", weights), ("head", [head])):
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in group]
+
+            def plain(ws=group):
+                return [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in ws]
+
+            def onednn(ws=group, ps=packed):
+                return [
+                    torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                    for w, p in zip(ws, ps)
+                ]
+
+            out[f"{name}_f_linear_ms"] = timed(plain, 5) * 1e3
+            out[f"{name}_onednn_packed_ms"] = timed(onednn, 5) * 1e3
+            out[f"{name}_max_relative_difference"] = max(
+                float((a - b).abs().max() / a.abs().max()) for a, b in zip(plain(), onednn())
+            )
+        flat = torch.cat([w.flatten() for w in weights])
+        out["read_layers_once_ms"] = timed(flat.sum, 5) * 1e3
+    return out
+
+
 def main() -> None:
     torch.manual_seed(0)
     tokenizer = load_tokenizer(MODEL)
@@ -163,6 +197,7 @@ def main() -> None:
         result["max_relative_gradient_difference_after_eval"] = gradient_check(data)
     result["speed"] = speed(data, tokenizer) if native else "no AVX512-BF16 here: only the unpacked path exists"
     result["training_step"] = training_step(data)
+    result["decode_matmuls"] = decode_matmuls()
     out = Path(__file__).parent / "results" / "cpu_4bit.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
