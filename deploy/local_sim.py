@@ -54,6 +54,14 @@ def flwr_env(home: Path) -> dict[str, str]:
     }
 
 
+def federation_config(num_clients: int, client_cpus: int | None = None) -> str:
+    """``flwr run``'s federation config: ``num_clients`` simulated SuperNodes, each given ``client_cpus`` CPUs (by
+    default ``OMP_NUM_THREADS`` where set, else Flower's own default)."""
+    if client_cpus is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        client_cpus = max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return f"num-supernodes={num_clients}" + (f" client-resources-num-cpus={client_cpus}" if client_cpus else "")
+
+
 def flwr_run(
     home: Path, run_config: str, num_clients: int = 3, timeout: float = 900, client_cpus: int | None = None
 ) -> subprocess.CompletedProcess:
@@ -62,9 +70,6 @@ def flwr_run(
     that many torch threads. By default ``OMP_NUM_THREADS`` where the caller set it (a client computing with N threads
     needs N CPUs; one thread each on two cores: two actors at once), else Flower's 2."""
     prepare_home(home)
-    if client_cpus is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        client_cpus = max(1, int(os.environ["OMP_NUM_THREADS"]))
-    federation = f"num-supernodes={num_clients}" + (f" client-resources-num-cpus={client_cpus}" if client_cpus else "")
     cmd = [
         "flwr",
         "run",
@@ -72,7 +77,7 @@ def flwr_run(
         "local",
         "--stream",
         "--federation-config",
-        federation,
+        federation_config(num_clients, client_cpus),
         "--run-config",
         run_config,
     ]

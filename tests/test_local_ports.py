@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from deploy.local_sim import ROOT, flwr_env, local_ports
+from deploy.local_sim import ROOT, federation_config, flwr_env, local_ports
 
 
 def test_each_home_has_its_own_ports_and_keeps_them(tmp_path):
@@ -32,3 +32,13 @@ def test_the_scripts_export_the_same_ports(tmp_path):
     env = {**os.environ, "FLWR_HOME": str(home)}
     out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == local_ports(home)["FLWR_LOCAL_CONTROL_API_PORT"]
+
+
+def test_a_simulated_client_gets_as_many_cpus_as_its_threads(monkeypatch):
+    """With OMP_NUM_THREADS=1 on two cores Ray runs two one-thread actors at once, not one (scripts/test.sh's
+    simulation lanes rely on it)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert federation_config(3) == "num-supernodes=3"  # Flower's own default: 2 CPUs a client
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert federation_config(3) == "num-supernodes=3 client-resources-num-cpus=1"
+    assert federation_config(4, client_cpus=2) == "num-supernodes=4 client-resources-num-cpus=2"
