@@ -203,7 +203,7 @@ class RankPlan:
         self.slot_fallback: dict[str, Arrays] = {}
 
     @property
-    def active(self) -> bool:
+    def any_own_ranks(self) -> bool:
         """Whether any client has its own ranks (then every instruction says each member's and its group's)."""
         return bool(self.ranks_of)
 
@@ -239,7 +239,7 @@ class RankPlan:
 
     def finish(self, mean: Arrays, unit: str) -> Arrays:
         """A unit's mean as its members' adapter: with ranks, every slot averaged over the members that have it."""
-        return slot_mean(mean, self.slot_fallback.get(unit)) if self.active else mean
+        return slot_mean(mean, self.slot_fallback.get(unit)) if self.any_own_ranks else mean
 
     def rows(self, layers: Sequence[Layer], partitions: Sequence[int], budgets: Mapping[int, float | None]) -> dict:
         """The allocation of a family's ``partitions`` in its metrics row (``rank_rows``)."""

@@ -170,12 +170,12 @@ class Atlas(FingerprintStrategy):
         """What ``partition`` is sent: its adapter at the wire ranks (fresh slots seeded alike for every client),
         with its slot masks; without ranks, its adapter as it is."""
         adapter = self._adapter(partition)
-        if not self.plan.active:
+        if not self.plan.any_own_ranks:
             return adapter
         return padded(adapter, self._own(partition), self._wire(partition), self.seed)
 
     def _rank_config(self, partition: int) -> dict[str, Any]:
-        if not self.plan.active:
+        if not self.plan.any_own_ranks:
             return {}
         return {OWN_RANKS: encode_ranks(self._own(partition)), WIRE_RANKS: encode_ranks(self._wire(partition))}
 
@@ -216,7 +216,7 @@ class Atlas(FingerprintStrategy):
     def check_sum(self, result: GroupResult) -> str | None:
         """With per-client ranks, the group's mean rank masks must be ones its members can send
         (``ranks.mask_problem``): ``slot_mean`` divides by them."""
-        if result.mean is None or not self.plan.active:
+        if result.mean is None or not self.plan.any_own_ranks:
             return None
         weights = [float(result.metrics.get(n, {}).get("num_examples", 0)) for n in result.contributors]
         problem = mask_problem(result.mean, weights)
