@@ -51,6 +51,9 @@ class _DeferringLoader(importlib.abc.Loader):
     def __init__(self, loader: importlib.abc.Loader) -> None:
         self.loader = loader
 
+    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, is_package...: the real loader's
+        return getattr(self.loader, name)
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 

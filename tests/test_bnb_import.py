@@ -46,6 +46,10 @@ def test_importing_bitsandbytes_after_common_compiles_nothing_and_its_fallback_s
         assert asked == [], asked  # nothing compiled while importing
         assert torch.compile is counting_compile  # and torch.compile is back
         assert "torch._inductor.compile_fx" not in sys.modules
+        import pathlib
+        import bitsandbytes
+        source = bitsandbytes.__loader__.get_source("bitsandbytes")  # the rest of its loader is the real one's
+        assert source == pathlib.Path(bitsandbytes.__file__).read_text()
 
         torch.manual_seed(0)
         weight = torch.randn(4, 33)
