@@ -49,8 +49,9 @@ def flower_shares_and_threshold(size: int, num_shares: float, threshold: float) 
 def reconstruction_threshold(size: int, num_shares: float, threshold: float) -> int:
     """The threshold to give Flower for a group of ``size``: its own, raised to ``MIN_SECURE_GROUP``.
 
-    Flower halts a group once a member has fewer active neighbours (itself included) than the threshold, and cannot
-    remove a dropped member's masks with fewer shares; so at ``MIN_SECURE_GROUP`` no group finishes with fewer."""
+    Flower halts a group once a member has fewer neighbours still connected (itself included) than the threshold,
+    and cannot remove a dropped member's masks with fewer shares; so at ``MIN_SECURE_GROUP`` no group finishes with
+    fewer."""
     return max(flower_shares_and_threshold(size, num_shares, threshold)[1], MIN_SECURE_GROUP)
 
 

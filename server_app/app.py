@@ -287,11 +287,14 @@ def check_resumable(cfg: RunConfig, strategy: Strategy, meta: dict, state: dict[
         for key in arrays
         if group in state and key in state[group] and state[group][key].shape != arrays[key].shape
     ]
+    # keys this run's state has and the checkpoint lacks: other adapter settings, or an older version of the strategy
+    missing = [f"{group}/{key}" for group, arrays in fresh.items() for key in arrays if key not in state.get(group, {})]
     models_differ = any(d.startswith("model.") for d in differ)
-    if mismatched or models_differ:
+    if mismatched or models_differ or missing:
         raise ValueError(
             f"resume: the checkpoint in {where} was written with other settings ({'; '.join(differ) or 'unrecorded'})"
             + (f"; adapter shapes differ: {', '.join(mismatched[:3])}" if mismatched else "")
+            + (f"; it lacks {', '.join(missing[:3])} (other adapter settings or an older Tessera)" if missing else "")
         )
 
 

@@ -141,7 +141,7 @@ def train_group_secure(
     result.rejected = {nid: screened.refused.get(nid, absent) for nid in group.members if nid not in capture.metrics}
     if failure is None and capture.mean is None:
         failure = (
-            f"SecAgg+ halted: too few of the {len(group.members)} members stayed active to finish (it needs "
+            f"SecAgg+ halted: too few of the {len(group.members)} members stayed connected to finish (it needs "
             f"{workflow.reconstruction_threshold}, never fewer than {MIN_SECURE_GROUP})"
         )
     try:

@@ -61,7 +61,7 @@ def train_round(
             sent, received = num_bytes(group.reply_reference(nid)), num_bytes(group.start[nid])
             result.metrics[nid].setdefault("bytes_up", sent)
             result.metrics[nid]["bytes_down"] = received
-            # layerwise routing: adapter bytes a member did NOT send because its blocks were inactive
+            # layerwise routing: adapter bytes a member did NOT send because its routing left its blocks out
             result.metrics[nid]["routing_bytes_saved"] = received - sent
     refuse_unsound_sums(strategy, server_round, results)
     if secure:

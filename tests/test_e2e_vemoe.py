@@ -41,7 +41,7 @@ def test_every_client_of_both_categories_improves_through_secagg(vemoe_run):
 def test_the_pool_its_events_and_the_plots_are_reported(vemoe_run):
     run_dir, rows = vemoe_run
     pool = next(r for r in rows if r["round"] == 1 and r["node"] is None)["vemoe"]
-    assert len(pool["active"]) == K_MAX and 1 <= pool["experts"] <= K_MAX
+    assert len(pool["live"]) == K_MAX and 1 <= pool["experts"] <= K_MAX
     assert sum(pool["responsibility"]) == pytest.approx(3.0, abs=1e-3)  # each client's r sums to one
     assert isinstance(pool["events"], list) and len(pool["low_rounds"]) == K_MAX
     for name in ("expert_utilization.png", "worst_client.png"):

@@ -114,3 +114,8 @@ def test_resuming_with_another_lora_rank_or_model_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"model.name: 'smollm2-135m-instruct' -> 'org/other'"):
         check_resumable(load_run_config({"lora.r": 2, "model.name": "org/other"}), saved, meta, state, "ckpt")
     check_resumable(load_run_config({"lora.r": 2, "train.learning-rate": 0.01}), saved, meta, state, "ckpt")
+    group, arrays = next(iter(state.items()))
+    lost = next(iter(arrays))  # a key a later version added (as VEMoE's slots/live once was): named, not a KeyError
+    older = {**state, group: {k: v for k, v in arrays.items() if k != lost}}
+    with pytest.raises(ValueError, match=f"lacks {group}/{lost}"):
+        check_resumable(load_run_config({"lora.r": 2}), saved, meta, older, "ckpt")

@@ -41,7 +41,7 @@ def total(payloads):
 
 def test_honest_vemoe_sums_pass(vemoe_server):
     payloads = honest_payloads(vemoe_server, np.random.default_rng(0))
-    assert sum_problem(total(payloads), 3, vemoe_server.active) is None
+    assert sum_problem(total(payloads), 3, vemoe_server.live) is None
 
 
 @pytest.mark.parametrize(
@@ -60,14 +60,14 @@ def test_honest_vemoe_sums_pass(vemoe_server):
 def test_a_vemoe_sum_no_honest_members_send_is_refused_and_the_pool_kept(vemoe_server, tamper, says):
     payloads = honest_payloads(vemoe_server, np.random.default_rng(0))
     payloads[2] = tamper(payloads[2])
-    assert says in (sum_problem(total(payloads), 3, vemoe_server.active) or "")
+    assert says in (sum_problem(total(payloads), 3, vemoe_server.live) or "")
     before = [dict(e) for e in vemoe_server.experts]
-    active = vemoe_server.active.copy()
+    live = vemoe_server.live.copy()
     result = GroupResult("pool", mean_of(payloads), 3.0, [11, 12, 13])
     refuse_unsound_sums(vemoe_server, 1, [result])  # as the ServerApp does before every update
     vemoe_server.update(1, [result])
     assert result.aggregate_rejected is not None and says in result.aggregate_rejected  # named in the round's row
-    assert (vemoe_server.active == active).all()
+    assert (vemoe_server.live == live).all()
     assert all(np.array_equal(e[k], b[k]) for e, b in zip(vemoe_server.experts, before) for k in b)
 
 

@@ -73,7 +73,7 @@ def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool, liar: s
     def train(msg: Message, context: Context) -> Message:
         arrays, config = read_train_instruction(msg.content, start)
         assert all(np.allclose(arrays[k], start[k]) for k in start) and config["server-round"] == 1
-        assert config.get("active-blocks", "all") == ("1" if send_back else "all")  # the group's config arrives
+        assert config.get("group-note", "all") == ("1" if send_back else "all")  # the group's config arrives
         update, n = client_update(int(context.node_config["partition-id"]), start, send_back)
         metrics = {"partition-id": int(context.node_config["partition-id"]), "beta": [0.5, 0.4]}
         return Message(train_reply(update, n, metrics), reply_to=msg)
@@ -95,7 +95,7 @@ def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool, liar: s
     @server.main()
     def main(grid: Grid, context: Context) -> None:
         nodes = wait_for_nodes(grid, num_nodes, timeout=120)
-        group = Group("all", {n: start for n in nodes}, send_back, {"active-blocks": "1"} if send_back else {})
+        group = Group("all", {n: start for n in nodes}, send_back, {"group-note": "1"} if send_back else {})
         limits = ReplyLimits(examples_per_round=int(MAX_WEIGHT), train_metrics=IDENTITY_METRICS)
         result = train_group_secure(grid, context, 1, group, {"server-round": 1}, SecAggSection(), limits)
         out_file.write_text(

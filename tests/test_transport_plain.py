@@ -112,15 +112,13 @@ def test_groups_train_in_one_batch_and_return_only_their_send_back_names():
 
     def routed(nid):
         def reply(arrays, config):
-            seen[nid] = config["active-blocks"]
+            seen[nid] = config["group-note"]
             return train_reply({"w.lora_A.weight": arrays["w.lora_A.weight"] + nid}, 4, METRICS)
 
         return reply
 
     grid = InMemoryGrid({1: routed(1), 2: routed(2), 3: lambda a: train_reply(a, 4, METRICS)})  # 3 sends too much
-    groups = [
-        Group(f"p{n}", {n: START}, send_back=["w.lora_A.weight"], config={"active-blocks": "0"}) for n in (1, 2, 3)
-    ]
+    groups = [Group(f"p{n}", {n: START}, send_back=["w.lora_A.weight"], config={"group-note": "0"}) for n in (1, 2, 3)]
     results = train_groups_plain(grid, 1, groups, {"server-round": 1}, timeout=1.0, limits=LIMITS)
     assert grid.batches == 1 and seen == {1: "0", 2: "0"}
     assert [sorted(r.mean) if r.mean else None for r in results] == [["w.lora_A.weight"], ["w.lora_A.weight"], None]

@@ -31,21 +31,21 @@ def expert(rng, scale=1.0):
     }
 
 
-def test_responsibilities_are_a_softmax_of_minus_loss_over_active_slots():
+def test_responsibilities_are_a_softmax_of_minus_loss_over_live_slots():
     losses = np.array([1.0, 3.0, np.nan, 2.0])
-    active = np.array([True, True, False, True])
-    r = responsibilities(losses, active, temperature=0.5)
+    live = np.array([True, True, False, True])
+    r = responsibilities(losses, live, temperature=0.5)
     expected = np.exp(-np.array([1.0, 3.0, 2.0]) / 0.5)
     assert r[2] == 0 and r.sum() == pytest.approx(1.0)
     assert r[[0, 1, 3]] == pytest.approx(expected / expected.sum())
     assert r[0] > r[3] > r[1]  # the expert with the lowest probe loss is the most responsible
     with pytest.raises(ValueError, match="finite"):
         responsibilities(np.array([1.0, np.inf]), np.array([True, True]), 1.0)
-    with pytest.raises(ValueError, match="no active"):
+    with pytest.raises(ValueError, match="no live"):
         responsibilities(np.array([1.0]), np.array([False]), 1.0)
 
 
-def test_top_m_takes_the_most_responsible_active_slots():
+def test_top_m_takes_the_most_responsible_live_slots():
     r = np.array([0.1, 0.0, 0.4, 0.1, 0.4])
     assert top_m(r, 2).tolist() == [2, 4]
     assert top_m(r, 3).tolist() == [0, 2, 4]  # a tie goes to the lower slot
@@ -120,16 +120,16 @@ def test_a_newborn_is_the_mean_of_the_voters_candidates():
 
 
 def test_prune_needs_patience_and_never_empties_the_pool():
-    active = np.array([True, True, True, False])
+    live = np.array([True, True, True, False])
     low = np.zeros(4, dtype=int)
     totals = np.array([2.0, 0.9, 0.05, 0.0])  # slot 2 holds 1.7 % of the mass
-    active, low, pruned = prune(totals, active, low, threshold=0.05, patience=2)
+    live, low, pruned = prune(totals, live, low, threshold=0.05, patience=2)
     assert pruned == [] and low.tolist() == [0, 0, 1, 0]
-    active, low, _ = prune(np.array([2.0, 0.9, 0.5, 0.0]), active, low, 0.05, 2)  # recovered: the count restarts
+    live, low, _ = prune(np.array([2.0, 0.9, 0.5, 0.0]), live, low, 0.05, 2)  # recovered: the count restarts
     assert low.tolist() == [0, 0, 0, 0]
     for _ in range(2):
-        active, low, pruned = prune(totals, active, low, 0.05, 2)
-    assert pruned == [2] and active.tolist() == [True, True, False, False]
+        live, low, pruned = prune(totals, live, low, 0.05, 2)
+    assert pruned == [2] and live.tolist() == [True, True, False, False]
     alone, _, pruned = prune(np.zeros(4), np.array([True, False, False, False]), np.array([5, 0, 0, 0]), 0.05, 2)
     assert alone.tolist() == [True, False, False, False] and pruned == []
 
@@ -156,17 +156,17 @@ def test_the_functional_distance_merges_experts_that_serve_the_clients_alike_wha
 
     rng = np.random.default_rng(7)
     experts = [expert(rng), expert(rng), expert(rng)]
-    active = np.array([True, True, True])
+    live = np.array([True, True, True])
     base = [3.0, 3.0, 3.0, 3.0]  # each client's probe loss with no expert routed
     probes = [[2.0, 2.0, 2.9], [2.5, 2.5, 2.95], [2.9, 2.9, 2.0], [2.8, 2.8, 2.1]]  # 0 and 1 alike, 2 serves others
     reports = [probe_report(np.array(loss), b) for loss, b in zip(probes, base)]
     gap_sum, move_sum = (sum(rep[key] for rep in reports) for key in (GAP, MOVE))
     d = functional_distance(gap_sum, move_sum)
     assert d[0, 1] == pytest.approx(0.0, abs=1e-6) and d[0, 2] > 0.5 and d[1, 2] == pytest.approx(d[0, 2])
-    assert merge_pairs(experts, active, 0.95) == []  # by delta-W cosine, independent experts never look alike
-    pairs = merge_pairs(experts, active, 0.95, d, max_distance=0.1)
+    assert merge_pairs(experts, live, 0.95) == []  # by delta-W cosine, independent experts never look alike
+    pairs = merge_pairs(experts, live, 0.95, d, max_distance=0.1)
     assert [(k, m) for k, m, _ in pairs] == [(0, 1)] and pairs[0][2]["distance"] == pytest.approx(0.0, abs=1e-6)
-    assert merge_pairs(experts, active, 0.95, d, max_distance=0.0) == []  # 0: the functional rule is off
+    assert merge_pairs(experts, live, 0.95, d, max_distance=0.0) == []  # 0: the functional rule is off
     fresh = sum(probe_report(np.array([3.0, 3.0, 3.0]), 3.0)[key] for key in (MOVE,))
     assert np.isnan(functional_distance(np.zeros(9), fresh)).all()  # round 1: a tie is not similarity
     capped = probe_report(np.array([1.0, 9.0, np.nan]), 9.5)  # a free slot reports nothing; values capped
@@ -197,18 +197,18 @@ def test_a_merged_expert_computes_the_mean_delta_w_not_the_mean_of_its_factors()
 
 def test_the_pool_never_exceeds_k_max():
     rng = np.random.default_rng(4)
-    k_max, active, low = 5, np.array([True, True, False, False, False]), np.zeros(5, dtype=int)
+    k_max, live, low = 5, np.array([True, True, False, False, False]), np.zeros(5, dtype=int)
     births = 0
     for _ in range(200):
-        slot = birth_slot(votes=int(rng.integers(0, 4)), active=active, min_votes=2)
+        slot = birth_slot(votes=int(rng.integers(0, 4)), live=live, min_votes=2)
         if slot is not None:
-            assert not active[slot]
-            active[slot], births = True, births + 1
-        totals = np.where(active, rng.exponential(size=k_max) * (rng.random(k_max) > 0.3), 0.0)
-        active, low, _ = prune(totals, active, low, threshold=0.1, patience=2)
-        assert 1 <= active.sum() <= k_max
+            assert not live[slot]
+            live[slot], births = True, births + 1
+        totals = np.where(live, rng.exponential(size=k_max) * (rng.random(k_max) > 0.3), 0.0)
+        live, low, _ = prune(totals, live, low, threshold=0.1, patience=2)
+        assert 1 <= live.sum() <= k_max
     assert births > k_max  # slots were freed and reused
-    assert birth_slot(votes=10, active=np.ones(k_max, dtype=bool), min_votes=2) is None
+    assert birth_slot(votes=10, live=np.ones(k_max, dtype=bool), min_votes=2) is None
 
 
 def test_separation_is_the_purity_of_each_rounds_top1_experts_against_the_clients_task_sets():
@@ -228,24 +228,24 @@ def test_separation_is_the_purity_of_each_rounds_top1_experts_against_the_client
 def test_a_round_one_tie_is_broken_by_each_experts_gradient_gain():
     from strategies.vemoe.routing import gain_shares, tied
 
-    active = np.array([True, True, True, False])
-    assert tied(np.array([2.5, 2.5, 2.5, np.nan]), active)
-    assert not tied(np.array([2.5, 2.4, 2.5, np.nan]), active)
-    r = gain_shares(np.array([1.0, 3.0, 0.0, 9.0]), active)  # a free slot's gain is never counted
+    live = np.array([True, True, True, False])
+    assert tied(np.array([2.5, 2.5, 2.5, np.nan]), live)
+    assert not tied(np.array([2.5, 2.4, 2.5, np.nan]), live)
+    r = gain_shares(np.array([1.0, 3.0, 0.0, 9.0]), live)  # a free slot's gain is never counted
     assert r.tolist() == [0.25, 0.75, 0.0, 0.0]
-    assert gain_shares(np.zeros(4), active).tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0])
+    assert gain_shares(np.zeros(4), live).tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0])
 
 
 def test_summed_likelihood_responsibilities_are_the_posterior_with_the_prior():
-    active = np.array([True, True, False])
+    live = np.array([True, True, False])
     nll = np.array([40.0, 42.0, np.nan])  # summed over the probe's answer tokens
-    r = responsibilities(nll, active, 1.0, prior=np.array([0.5, 0.5, 0.0]))
+    r = responsibilities(nll, live, 1.0, prior=np.array([0.5, 0.5, 0.0]))
     assert r[0] == pytest.approx(1 / (1 + np.exp(-2.0))) and r[2] == 0  # e^-40 / (e^-40 + e^-42)
-    tilted = responsibilities(nll, active, 1.0, prior=np.array([0.1, 0.9, 0.0]))
+    tilted = responsibilities(nll, live, 1.0, prior=np.array([0.1, 0.9, 0.0]))
     assert tilted[1] / tilted[0] == pytest.approx(9 * np.exp(-2.0))
-    mean = responsibilities(nll / 20, active, 0.5)  # the same probe as a mean over 20 tokens, seed 002's T
+    mean = responsibilities(nll / 20, live, 0.5)  # the same probe as a mean over 20 tokens, seed 002's T
     assert r.max() > mean.max()  # summed: sharper
-    assert responsibilities(nll, active, 1.0, prior=np.zeros(3)).tolist() == pytest.approx(r.tolist())  # no mass
+    assert responsibilities(nll, live, 1.0, prior=np.zeros(3)).tolist() == pytest.approx(r.tolist())  # no mass
 
 
 def test_an_oracle_client_routes_to_its_categorys_expert_alone_and_a_bad_oracle_is_refused():
@@ -257,9 +257,9 @@ def test_an_oracle_client_routes_to_its_categorys_expert_alone_and_a_bad_oracle_
 
     cfg = load_run_config({"strategy": "vemoe", "vemoe.oracle": "question generation=0,answer generation=2"})
     client = VEMoEClient(cfg)
-    client.active = np.array([True, True, True] + [False] * (len(client.active) - 3))
+    client.live = np.array([True, True, True] + [False] * (len(client.live) - 3))
     rt = SimpleNamespace(tasks="answer generation")
-    assert client._responsibilities(rt, np.zeros(len(client.active))).tolist()[:4] == [0, 0, 1, 0]
+    assert client._responsibilities(rt, np.zeros(len(client.live))).tolist()[:4] == [0, 0, 1, 0]
     with pytest.raises(ConfigError, match="vemoe.oracle"):
         load_run_config({"strategy": "vemoe", "vemoe.oracle": "question generation=5"})
 
@@ -267,8 +267,8 @@ def test_an_oracle_client_routes_to_its_categorys_expert_alone_and_a_bad_oracle_
 def test_a_client_no_expert_serves_distinctively_votes_for_a_birth():
     from strategies.vemoe.routing import unserved
 
-    active = np.array([True, True, True, False])
+    live = np.array([True, True, True, False])
     flat, sharp = np.array([0.34, 0.33, 0.33, 0.0]), np.array([0.9, 0.05, 0.05, 0.0])
-    assert unserved(flat, active, 0.9) and not unserved(sharp, active, 0.9)
-    assert not unserved(flat, active, 0.0)  # off
+    assert unserved(flat, live, 0.9) and not unserved(sharp, live, 0.9)
+    assert not unserved(flat, live, 0.0)  # off
     assert not unserved(np.array([1.0, 0, 0, 0]), np.array([True, False, False, False]), 0.9)  # one expert: no choice

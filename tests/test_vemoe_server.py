@@ -64,7 +64,7 @@ def test_the_update_is_the_responsibility_weighted_mean_and_a_birth_takes_the_fr
         for name in template:
             explicit = sum(r[k] * t[k][name] for r, t in zip(rs, trained) if r[k]) / total
             assert server.experts[k][name] == pytest.approx(explicit, rel=1e-4, abs=1e-5)
-    assert server.active.tolist() == [True, True, True, False]  # two votes: slot 2 is born
+    assert server.live.tolist() == [True, True, True, False]  # two votes: slot 2 is born
     assert all(
         np.allclose(server.experts[2][n], (candidates[0][n] + candidates[1][n]) / 2, atol=1e-6) for n in template
     )
@@ -82,24 +82,24 @@ def test_an_unused_expert_is_pruned_after_its_patience_and_duplicates_merge(serv
         server.update(round_, [GroupResult("pool", mean_of(payloads), 3.0, [11, 12, 13])])
         kinds = [e["kind"] for e in server.report()["vemoe"]["events"]]
         if round_ == 1:
-            assert kinds == ["merge"] and server.active.tolist() == [True, False, False, False]
-    assert server.active.sum() == 1  # the pool never empties
-    server.active[:] = [True, True, False, False]
+            assert kinds == ["merge"] and server.live.tolist() == [True, False, False, False]
+    assert server.live.sum() == 1  # the pool never empties
+    server.live[:] = [True, True, False, False]
     server.low_rounds[:] = 0
     for round_ in (3, 4):
         payloads = [client_payload({0: expert(rng)}, np.array([1.0, 0, 0, 0]), template) for _ in range(3)]
         server.update(round_, [GroupResult("pool", mean_of(payloads), 3.0, [11, 12, 13])])
     events = server.report()["vemoe"]["events"]
-    assert [(e["kind"], e["slot"]) for e in events] == [("prune", 1)] and server.active.tolist()[:2] == [True, False]
+    assert [(e["kind"], e["slot"]) for e in events] == [("prune", 1)] and server.live.tolist()[:2] == [True, False]
 
 
 def test_the_checkpoint_restores_the_pool_and_its_slots(server):
-    server.active[:] = [True, False, True, False]
+    server.live[:] = [True, False, True, False]
     server.low_rounds[:] = [0, 0, 1, 0]
     state = server.state_dict()
     fresh = VEMoE(server.pool_cfg, server.cfg)
     fresh.load_state_dict(state)
-    assert fresh.active.tolist() == [True, False, True, False] and fresh.low_rounds.tolist() == [0, 0, 1, 0]
+    assert fresh.live.tolist() == [True, False, True, False] and fresh.low_rounds.tolist() == [0, 0, 1, 0]
     assert all(np.array_equal(a[n], b[n]) for a, b in zip(fresh.experts, server.experts) for n in a)
     assert len(split_slots(server.final_adapters()[0].arrays, K)) == K
 
@@ -155,7 +155,7 @@ def test_the_run_plots_are_drawn_and_negative_transfer_needs_a_baseline(server, 
     assert (tmp_path / "negative_transfer.png").stat().st_size > 0 and len(paths) == 3
 
 
-def test_with_summed_likelihood_the_server_sends_a_counted_prior_that_never_zeroes_an_active_expert():
+def test_with_summed_likelihood_the_server_sends_a_counted_prior_that_never_zeroes_a_live_expert():
     from strategies.vemoe.wire import PRIOR
 
     rng = np.random.default_rng(0)
@@ -199,4 +199,4 @@ def test_experts_the_clients_probes_find_alike_merge_by_functional_distance():
         assert set(report["distance"]) == {"0,1", "0,2", "1,2"} and report["distance"]["0,1"] < 0.05
         events = [(e["kind"], e["slot"], e.get("into")) for e in report["events"]]
         assert events == ([("merge", 1, 0)] if merges else []), events
-        assert strategy.active.tolist() == ([True, False, True, False] if merges else [True, True, True, False])
+        assert strategy.live.tolist() == ([True, False, True, False] if merges else [True, True, True, False])

@@ -76,7 +76,7 @@ def test_vemoe_runs_plain_and_secure_and_the_secure_pool_is_the_plain_one(tiny_l
             assert not any(k in r for r in trained for k in ("vemoe_top", "vemoe_vote", "vemoe_r", "vemoe_probe"))
         else:
             assert all(len(r["vemoe_top"]) == 2 for r in trained)  # every client routed between its top-2 experts
-            for r in trained:  # what routing decided, per client: a probe loss for each active slot, r over them
+            for r in trained:  # what routing decided, per client: a probe loss for each live slot, r over them
                 assert sum(r["vemoe_r"]) == pytest.approx(1.0, abs=1e-4) and r["vemoe_r"][3] == 0
                 # round 1: the experts tie on the probe loss (B = 0); r comes from the gradients, not a uniform tie
                 assert len(set(r["vemoe_probe"][:3])) == 1 and max(r["vemoe_r"]) > 1 / 3 + 1e-3, r
@@ -148,8 +148,8 @@ def test_vemoe_resumes_after_a_kill_with_its_pool_and_prune_counters(tiny_llama_
     assert after[: len(before)] == before  # what was checkpointed is kept, rounds are not re-run
     assert sorted({r["round"] for r in after[len(before) :]}) == list(range(killed_at + 1, 4))
     resumed = next(r for r in after if r["round"] == killed_at + 1 and r["node"] is None)["vemoe"]
-    for slot, active in enumerate(resumed["active"]):
-        if active and pool_row["active"][slot]:  # low every round (threshold 0.9): one more than at the kill
+    for slot, live in enumerate(resumed["live"]):
+        if live and pool_row["live"][slot]:  # low every round (threshold 0.9): one more than at the kill
             assert resumed["low_rounds"][slot] == pool_row["low_rounds"][slot] + 1, slot
     assert _checkpoint_round(run_dir) == 3
     last = {r["partition_id"]: r for r in after if r["round"] == 3 and r["node"] is not None}
@@ -174,7 +174,7 @@ def test_vemoe_with_a_personal_lora_sends_only_the_pool_and_every_loss_falls(tin
     assert not [e for e in pools[1]["events"] if e["kind"] == "birth"]  # round 1: the experts tie, nobody votes
     births = [e for e in pools[2]["events"] if e["kind"] == "birth"]
     assert births and births[0]["slot"] == 3 and births[0]["votes"] >= 2, pools[2]
-    assert pools[2]["experts"] == 4 and pools[2]["active"][3]
+    assert pools[2]["experts"] == 4 and pools[2]["live"][3]
     # the functional distance from the probe sums: none on round 1's tie (fresh experts), every pair by round 2
     assert pools[1]["distance"] == {} and set(pools[2]["distance"]) == {"0,1", "0,2", "1,2"}, pools[2]
     newborn = _pool(run_dir)[3]  # the voters' candidates' mean: a trained expert, not a fresh one (B = 0)

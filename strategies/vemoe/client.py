@@ -1,4 +1,4 @@
-"""VEMoE's client half: probe every active expert on a batch of the client's own data, turn the losses into
+"""VEMoE's client half: probe every live expert on a batch of the client's own data, turn the losses into
 responsibilities r, route its tokens between its top-m experts, and send the constant-length payload of ``pool.py``
 (its trained experts weighted by r, r itself, and its birth vote with a candidate in the free slot).
 
@@ -46,7 +46,7 @@ class VEMoEClient(StrategyClient):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.pool, self.vemoe = cfg.section(ExpertsSection), cfg.section(VemoeSection)
-        self.active = np.zeros(self.pool.k_max, dtype=bool)
+        self.live = np.zeros(self.pool.k_max, dtype=bool)
         self.birth_slot = -1
         self.prior: np.ndarray | None = None  # the server's counted prior over slots (vemoe.likelihood = "summed")
         self.r = np.zeros(self.pool.k_max)
@@ -64,10 +64,10 @@ class VEMoEClient(StrategyClient):
         return {**rt.adapter.initial, **beside_pool(self.pool.k_max)}
 
     def start(self, rt: ClientRuntime, received: Arrays | None) -> Arrays | None:
-        """The experts for the adapter; the active slots (sent as ``responsibility``: 1 or 0) kept for ``ready``."""
+        """The experts for the adapter; the live slots (sent as ``responsibility``: 1 or 0) kept for ``ready``."""
         if received is None:
             return None
-        self.active = np.asarray(received[RESPONSIBILITY]) > 0.5
+        self.live = np.asarray(received[RESPONSIBILITY]) > 0.5
         return {k: v for k, v in received.items() if k not in BESIDE_POOL}
 
     def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
@@ -77,14 +77,14 @@ class VEMoEClient(StrategyClient):
     def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
         """Probe (in training; in evaluation only without kept responsibilities) and route."""
         kept = rt.state.get(ROUTE)
-        if training or kept is None or not np.all(self.active[np.asarray(kept["r"]) > 0]):
+        if training or kept is None or not np.all(self.live[np.asarray(kept["r"]) > 0]):
             losses = self.losses = self._probe(rt)
             self.base_loss = self._base_loss(rt) if training else np.nan
             self.r = self._responsibilities(rt, losses)
-            best = float(np.min(losses[self.active]))
+            best = float(np.min(losses[self.live]))
             before = float(kept["best"][0]) if kept is not None else np.inf
             drifted = best > self.vemoe.birth_threshold * before  # the pool moved away from it
-            alone = not tied(losses, self.active) and unserved(self.r, self.active, self.vemoe.birth_spread)
+            alone = not tied(losses, self.live) and unserved(self.r, self.live, self.vemoe.birth_spread)
             self.vote = training and self.birth_slot >= 0 and (drifted or alone)
             rt.state.put(ROUTE, {"r": self.r.astype(np.float32), "best": np.array([min(best, before)], np.float32)})
         else:
@@ -97,12 +97,12 @@ class VEMoEClient(StrategyClient):
         oracle = self.vemoe.oracle.get(rt.tasks)
         if oracle is not None:  # the oracle run: this client's category has its own expert, by hand
             return np.eye(self.pool.k_max)[oracle]
-        if self.vemoe.first_round == "gradient" and tied(losses, self.active):  # the base model: gradients decide
-            return gain_shares(self._probe(rt, gains=True), self.active)
+        if self.vemoe.first_round == "gradient" and tied(losses, self.live):  # the base model: gradients decide
+            return gain_shares(self._probe(rt, gains=True), self.live)
         if self.vemoe.likelihood == "summed":  # the posterior: summed log-likelihood, the counted prior
             tokens = answer_tokens(rt.tokenizer, self._batch(rt), rt.cfg.train.max_seq_len)
-            return responsibilities(losses * tokens, self.active, 1.0, self.prior)
-        return responsibilities(losses, self.active, self.vemoe.temperature)
+            return responsibilities(losses * tokens, self.live, 1.0, self.prior)
+        return responsibilities(losses, self.live, self.vemoe.temperature)
 
     def _batch(self, rt: ClientRuntime) -> list:
         # the same probe batch every round: the birth vote compares this round's best loss with earlier rounds'
@@ -119,11 +119,11 @@ class VEMoEClient(StrategyClient):
         return self._experts(rt).probe_loss(None, self._probe_loss_of(rt))
 
     def _probe(self, rt: ClientRuntime, gains: bool = False) -> np.ndarray:
-        """Each active expert's loss on the probe batch (``gains``: its first-order gain, ``probe_gain``)."""
+        """Each live expert's loss on the probe batch (``gains``: its first-order gain, ``probe_gain``)."""
         adapter, loss_of = self._experts(rt), self._probe_loss_of(rt)
         measure = adapter.probe_gain if gains else adapter.probe_loss
         losses = np.full(self.pool.k_max, np.nan)
-        for slot in np.flatnonzero(self.active):
+        for slot in np.flatnonzero(self.live):
             losses[slot] = measure(int(slot), loss_of)
         return losses
 

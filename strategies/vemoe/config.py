@@ -19,8 +19,8 @@ class VemoeSection(Section):
     """VEMoE (seed 002): responsibilities from probe losses, one secure sum for every expert, open-world pool."""
 
     key: ClassVar[str] = "vemoe"
-    k_init: int = Field(3, ge=1)  # experts active in round 1 (at most experts.k-max; seed 002 runs 3)
-    probe_examples: int = Field(4, ge=1)  # a client's probe batch: each active expert's loss on it gives r
+    k_init: int = Field(3, ge=1)  # live experts in round 1 (at most experts.k-max; seed 002 runs 3)
+    probe_examples: int = Field(4, ge=1)  # a client's probe batch: each live expert's loss on it gives r
     temperature: float = Field(0.5, gt=0, allow_inf_nan=False)  # r = softmax(-probe loss / temperature)
     # "summed": the posterior r_k ~ prior_k x p(probe | expert k), from the probe's SUMMED log-likelihood (10-80
     # answer tokens: 5-40 times sharper than the mean), the prior the pool's share of last round's responsibility

@@ -8,7 +8,7 @@ slot the server named for births (where every r_ik is 0, so nothing else is ther
 shape of the pool. From the sum over clients alone the server sets theta_k = sum_i r_ik theta_ik / sum_i r_ik,
 learns each expert's total responsibility sum_i r_ik and the newborn sum_i v_i c_i / sum_i v_i, never which
 client uses which expert or voted. The expert ratios hold for group MEANS too (the common 1/n cancels); the vote
-count needs the sum. Beside them each client sends its probe's loss gaps between active experts and each expert's
+count needs the sum. Beside them each client sends its probe's loss gaps between live experts and each expert's
 move from the base model, whose sums give the functional distance a merge can be judged by.
 
 A LoRA expert is a dict of peft arrays (``...lora_A.weight`` / ``...lora_B.weight`` per layer).
@@ -111,9 +111,9 @@ def functional_distance(gap_sum: np.ndarray, move_sum: np.ndarray, min_move: flo
 SUM_TOLERANCE = 1e-3  # per member: float32 sums and SecAgg+'s quantisation (about 4e-6 a value with its defaults)
 
 
-def sum_problem(total: Arrays, members: int, active: np.ndarray, tolerance: float = SUM_TOLERANCE) -> str | None:
+def sum_problem(total: Arrays, members: int, live: np.ndarray, tolerance: float = SUM_TOLERANCE) -> str | None:
     """Why a payload sum cannot come from ``members`` honest clients (None if it can). Each sends responsibilities
-    >= 0 summing to 1 over the active slots and a vote of 0 or 1, so the slot totals lie in [0, n], are 0 on free
+    >= 0 summing to 1 over the live slots and a vote of 0 or 1, so the slot totals lie in [0, n], are 0 on free
     slots and sum to n, and the votes are a whole number in [0, n]. The box and norm checks let through a member
     that votes 8 (a birth of its own candidate every round) or sends a responsibility of -8 (a slot's mass
     negative: every other expert pruned); the server divides by these totals, so it checks them first."""
@@ -126,7 +126,7 @@ def sum_problem(total: Arrays, members: int, active: np.ndarray, tolerance: floa
         return f"{votes:.4g} birth votes from {members} members (each votes 0 or 1)"
     if totals.min() < -slack or totals.max() > members + slack:
         return f"a slot's responsibility total is outside [0, {members}] ({totals.min():.4g} .. {totals.max():.4g})"
-    free = ~np.asarray(active, dtype=bool)
+    free = ~np.asarray(live, dtype=bool)
     if free.any() and totals[free].max() > slack:
         return f"free slot(s) {np.flatnonzero(free & (totals > slack)).tolist()} carry responsibility"
     if abs(totals.sum() - members) > slack:
@@ -169,22 +169,22 @@ def newborn(total: Arrays, votes: float, slot: int, template: Arrays) -> Arrays:
 
 
 def prune(
-    totals: np.ndarray, active: np.ndarray, low_rounds: np.ndarray, threshold: float, patience: int
+    totals: np.ndarray, live: np.ndarray, low_rounds: np.ndarray, threshold: float, patience: int
 ) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Count, per active slot, the consecutive rounds its share of the round's responsibility mass was below
-    ``threshold``; free the slots that reach ``patience`` (never the last active one: the one with the largest
-    share stays). Returns (active, low_rounds, pruned slots)."""
+    """Count, per live slot, the consecutive rounds its share of the round's responsibility mass was below
+    ``threshold``; free the slots that reach ``patience`` (never the last live one: the one with the largest
+    share stays). Returns (live, low_rounds, pruned slots)."""
     totals = np.asarray(totals, dtype=np.float64)
-    active = np.asarray(active, dtype=bool).copy()
-    mass = totals[active].sum()
-    share = np.where(active, totals / mass if mass > 0 else 0.0, 0.0)
-    low = np.where(active & (share < threshold), np.asarray(low_rounds) + 1, 0)
-    pruned = [int(k) for k in np.flatnonzero(active & (low >= patience))]
-    if len(pruned) == int(active.sum()):  # keep the most used one
-        pruned.remove(int(np.argmax(np.where(active, share, -1.0))))
-    active[pruned] = False
+    live = np.asarray(live, dtype=bool).copy()
+    mass = totals[live].sum()
+    share = np.where(live, totals / mass if mass > 0 else 0.0, 0.0)
+    low = np.where(live & (share < threshold), np.asarray(low_rounds) + 1, 0)
+    pruned = [int(k) for k in np.flatnonzero(live & (low >= patience))]
+    if len(pruned) == int(live.sum()):  # keep the most used one
+        pruned.remove(int(np.argmax(np.where(live, share, -1.0))))
+    live[pruned] = False
     low[pruned] = 0
-    return active, low, pruned
+    return live, low, pruned
 
 
 def delta_w(expert: Arrays) -> np.ndarray:
@@ -196,16 +196,16 @@ def delta_w(expert: Arrays) -> np.ndarray:
 
 def merge_pairs(
     experts: Sequence[Arrays],
-    active: np.ndarray,
+    live: np.ndarray,
     threshold: float,
     distance: np.ndarray | None = None,
     max_distance: float = 0.0,
 ) -> list[tuple[int, int, dict[str, float]]]:
-    """Pairs of active slots that compute nearly the same thing: delta-W cosine above ``threshold``, or (``distance``
+    """Pairs of live slots that compute nearly the same thing: delta-W cosine above ``threshold``, or (``distance``
     from ``functional_distance``, ``max_distance`` > 0) a functional distance below ``max_distance``; closest first
     (by 1 - cosine or the distance, whichever is smaller), each slot in at most one pair: (kept slot, merged slot,
     the pair's measures), the kept one the lower slot."""
-    slots = [int(k) for k in np.flatnonzero(np.asarray(active, dtype=bool))]
+    slots = [int(k) for k in np.flatnonzero(np.asarray(live, dtype=bool))]
     vectors = {k: delta_w(experts[k]) for k in slots}
     norms = {k: float(np.linalg.norm(v)) for k, v in vectors.items()}
     scored = []
@@ -251,14 +251,14 @@ def _product(expert: Arrays, a_name: str, b_name: str) -> np.ndarray:
     return np.asarray(expert[b_name], dtype=np.float64) @ np.asarray(expert[a_name], dtype=np.float64)
 
 
-def free_slot(active: np.ndarray) -> int | None:
+def free_slot(live: np.ndarray) -> int | None:
     """The slot a newborn expert would take (the lowest free one); None when every slot is taken (the pool never
     exceeds K_max)."""
-    free = np.flatnonzero(~np.asarray(active, dtype=bool))
+    free = np.flatnonzero(~np.asarray(live, dtype=bool))
     return int(free[0]) if free.size else None
 
 
-def birth_slot(votes: float, active: np.ndarray, min_votes: int) -> int | None:
+def birth_slot(votes: float, live: np.ndarray, min_votes: int) -> int | None:
     """The free slot a newborn expert takes (``free_slot``), when at least ``min_votes`` clients voted; None when too
     few voted or every slot is taken."""
-    return free_slot(active) if votes >= min_votes else None
+    return free_slot(live) if votes >= min_votes else None

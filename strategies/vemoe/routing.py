@@ -1,10 +1,10 @@
 """VEMoE's client-side math as pure functions: domain responsibilities from probe losses, the client's top-m
 experts, and the token-level mixture inside them (seed 002's hierarchical routing).
 
-For client i with active experts k (slots of the pool that hold an expert):
-- responsibilities r_ik = softmax_k(-loss_ik / T) over the active experts, from each expert's loss on a probe
-  batch of the client's own data; an inactive slot has r_ik = 0;
-- the client's top-m set: the m active experts of largest r_ik, which it trains and routes between;
+For client i with live experts k (slots of the pool that hold an expert):
+- responsibilities r_ik = softmax_k(-loss_ik / T) over the live experts, from each expert's loss on a probe
+  batch of the client's own data; a free slot has r_ik = 0;
+- the client's top-m set: the m live experts of largest r_ik, which it trains and routes between;
 - token mixture alpha_tk = softmax_k(log r_ik + u_tk / gamma) over the top-m, u_tk a router's logit for token t:
   it runs inside the forward pass, so it lives with the adapter (``common.adapters.experts.layer.token_mixture``).
 """
@@ -15,25 +15,25 @@ import numpy as np
 
 
 def responsibilities(
-    probe_losses: np.ndarray, active: np.ndarray, temperature: float, prior: np.ndarray | None = None
+    probe_losses: np.ndarray, live: np.ndarray, temperature: float, prior: np.ndarray | None = None
 ) -> np.ndarray:
-    """r (K_max,): softmax of log prior - loss / ``temperature`` over the active slots, 0 elsewhere; sums to 1 (no
-    ``prior``, or one without mass on the active slots: uniform). With summed negative log-likelihoods and a
+    """r (K_max,): softmax of log prior - loss / ``temperature`` over the live slots, 0 elsewhere; sums to 1 (no
+    ``prior``, or one without mass on the live slots: uniform). With summed negative log-likelihoods and a
     temperature of 1 it is the posterior over experts.
 
-    ``probe_losses[k]`` is read only where ``active[k]``; an active slot's loss must be finite (a NaN or infinite
+    ``probe_losses[k]`` is read only where ``live[k]``; a live slot's loss must be finite (a NaN or infinite
     probe loss is a broken expert or batch, not a preference: ValueError).
     """
     losses = np.asarray(probe_losses, dtype=np.float64)
-    mask = np.asarray(active, dtype=bool)
+    mask = np.asarray(live, dtype=bool)
     if losses.shape != mask.shape or losses.ndim != 1:
         raise ValueError(f"{losses.shape} probe losses for {mask.shape} slots")
     if not mask.any():
-        raise ValueError("no active expert to be responsible")
+        raise ValueError("no live expert to be responsible")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not np.all(np.isfinite(losses[mask])):
-        raise ValueError(f"active experts' probe losses must be finite, got {losses[mask].tolist()}")
+        raise ValueError(f"live experts' probe losses must be finite, got {losses[mask].tolist()}")
     weights = np.ones_like(losses) if prior is None else np.clip(np.nan_to_num(np.asarray(prior, np.float64)), 0, None)
     if not (weights[mask] > 0).any():
         weights = np.ones_like(losses)
@@ -45,29 +45,29 @@ def responsibilities(
     return r / r.sum()
 
 
-def tied(probe_losses: np.ndarray, active: np.ndarray, tolerance: float = 1e-6) -> bool:
-    """Whether every active expert serves the probe batch equally (relative ``tolerance``): experts that still
+def tied(probe_losses: np.ndarray, live: np.ndarray, tolerance: float = 1e-6) -> bool:
+    """Whether every live expert serves the probe batch equally (relative ``tolerance``): experts that still
     compute the base model (B = 0, round 1), between which the losses say nothing."""
-    losses = np.asarray(probe_losses, dtype=np.float64)[np.asarray(active, dtype=bool)]
+    losses = np.asarray(probe_losses, dtype=np.float64)[np.asarray(live, dtype=bool)]
     return bool(losses.size) and float(np.ptp(losses)) <= tolerance * max(1.0, float(np.abs(losses).max()))
 
 
-def gain_shares(gains: np.ndarray, active: np.ndarray) -> np.ndarray:
-    """r (K_max,) from each active expert's first-order gain on the probe batch (``ExpertsAdapter.probe_gain``):
-    its share of the active experts' gains (uniform if none has any), 0 on free slots. It breaks the round-1 tie by
+def gain_shares(gains: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """r (K_max,) from each live expert's first-order gain on the probe batch (``ExpertsAdapter.probe_gain``):
+    its share of the live experts' gains (uniform if none has any), 0 on free slots. It breaks the round-1 tie by
     the client's own data: clients whose gradients fall in one expert's subspace pick that expert."""
-    mask = np.asarray(active, dtype=bool)
+    mask = np.asarray(live, dtype=bool)
     g = np.where(mask, np.nan_to_num(np.asarray(gains, dtype=np.float64), nan=0.0).clip(min=0.0), 0.0)
     if not mask.any():
-        raise ValueError("no active expert to be responsible")
+        raise ValueError("no live expert to be responsible")
     return g / g.sum() if g.sum() > 0 else mask / mask.sum()
 
 
-def unserved(r: np.ndarray, active: np.ndarray, spread: float) -> bool:
+def unserved(r: np.ndarray, live: np.ndarray, spread: float) -> bool:
     """Whether no expert serves a client distinctively: its responsibilities' entropy is above ``spread`` (0..1) of
-    the most the active experts allow (log of their count), i.e. it tells them apart no better than that. Such a
+    the most the live experts allow (log of their count), i.e. it tells them apart no better than that. Such a
     client votes for a birth: its candidate becomes an expert of its own. ``spread`` 0: never (off)."""
-    mask = np.asarray(active, dtype=bool)
+    mask = np.asarray(live, dtype=bool)
     if not spread or mask.sum() < 2:
         return False
     p = np.asarray(r, dtype=np.float64)[mask]

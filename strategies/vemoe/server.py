@@ -1,8 +1,8 @@
 """VEMoE's server half: one group of every client, whose sum gives every expert of the pool, and the open-world
 decisions taken from that sum alone (seed 002; the math is ``pool.py``).
 
-Each round every client is sent the whole pool (``expert-<slot>.*`` for every slot), the active slots
-(``responsibility``: 1 for an active slot, 0 for a free one) and the slot reserved for a birth (instruction config
+Each round every client is sent the whole pool (``expert-<slot>.*`` for every slot), the live slots
+(``responsibility``: 1 for a live slot, 0 for a free one) and the slot reserved for a birth (instruction config
 ``vemoe-birth-slot``, -1 when the pool is full). It replies with the constant-length payload of ``pool.py``; all
 replies are one group (SecAgg+ in secure mode: at least 3 members), weighted equally, so the group mean times the
 number of contributors is the sum. From it: theta_k = sum r theta / sum r per slot, then prune (little
@@ -41,13 +41,13 @@ if TYPE_CHECKING:
     from common.config import RunConfig
 
 log = get_logger("tessera.server")
-ACTIVE, LOW_ROUNDS = "active", "low-rounds"  # state keys beside the pool's experts
+LIVE, LOW_ROUNDS = "live", "low-rounds"  # state keys beside the pool's experts
 
 
 class VEMoE(Strategy):
     """A pool of LoRA experts aggregated by responsibility from one sum per round, with birth, prune and merge.
 
-    State: ``pool`` (every slot's expert, wire names), ``active`` and ``low-rounds`` (per slot).
+    State: ``pool`` (every slot's expert, wire names), ``live`` and ``low-rounds`` (per slot).
     """
 
     name = "vemoe"
@@ -57,8 +57,8 @@ class VEMoE(Strategy):
     def __init__(self, pool: ExpertsSection, cfg: VemoeSection) -> None:
         self.pool_cfg, self.cfg = pool, cfg
         self.experts: list[Arrays] = []
-        self.active = np.zeros(pool.k_max, dtype=bool)
-        self.active[: cfg.k_init] = True
+        self.live = np.zeros(pool.k_max, dtype=bool)
+        self.live[: cfg.k_init] = True
         self.low_rounds = np.zeros(pool.k_max, dtype=np.int64)
         self.model = ""
         self.members: set[int] = set()
@@ -83,19 +83,19 @@ class VEMoE(Strategy):
             self.members.add(nid)
 
     def _start(self) -> Arrays:
-        return {**join_slots(self.experts), **beside_pool(self.pool_cfg.k_max, self.active)}
+        return {**join_slots(self.experts), **beside_pool(self.pool_cfg.k_max, self.live)}
 
     def _free_slot(self) -> int:
         """The slot a birth would take this round (the lowest free one), -1 when the pool is full."""
-        slot = free_slot(self.active)
+        slot = free_slot(self.live)
         return -1 if slot is None else slot
 
     def _prior(self) -> dict[str, str]:
-        """With ``likelihood = "summed"``: each active slot's share of last round's responsibility, counted with one
-        pseudo-client per slot (so that no active expert's prior is 0, a newborn's included); 0 on free slots."""
+        """With ``likelihood = "summed"``: each live slot's share of last round's responsibility, counted with one
+        pseudo-client per slot (so that no live expert's prior is 0, a newborn's included); 0 on free slots."""
         if self.cfg.likelihood != "summed":
             return {}
-        counts = np.where(self.active, self.totals + 1.0, 0.0)
+        counts = np.where(self.live, self.totals + 1.0, 0.0)
         return prior_config(counts / counts.sum())
 
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
@@ -120,7 +120,7 @@ class VEMoE(Strategy):
             return None
         n = len(result.contributors)
         total = {k: np.asarray(result.mean[k], dtype=np.float64) * n for k in BESIDE_POOL}
-        problem = sum_problem(total, n, self.active)
+        problem = sum_problem(total, n, self.live)
         return f"vemoe: {problem}" if problem else None
 
     def update(self, server_round: int, results: list[GroupResult]) -> None:
@@ -138,15 +138,15 @@ class VEMoE(Strategy):
             votes = float(total[VOTE][0])
             if reserved >= 0 and votes >= self.cfg.birth_min_votes:  # prune and merge only free slots: still free
                 self.experts[reserved] = newborn(total, votes, reserved, self.experts[reserved])
-                self.active[reserved] = True
+                self.live[reserved] = True
                 self._event(server_round, "birth", reserved, votes=votes)
             elif votes:
                 log.info("round %d: vemoe: %g birth votes, %d needed", server_round, votes, self.cfg.birth_min_votes)
 
     def _prune(self, server_round: int) -> None:
-        mass = max(float(self.totals[self.active].sum()), 1e-12)
-        self.active, self.low_rounds, pruned = prune(
-            self.totals, self.active, self.low_rounds, self.cfg.prune_threshold, self.cfg.prune_patience
+        mass = max(float(self.totals[self.live].sum()), 1e-12)
+        self.live, self.low_rounds, pruned = prune(
+            self.totals, self.live, self.low_rounds, self.cfg.prune_threshold, self.cfg.prune_patience
         )
         for slot in pruned:
             self._event(server_round, "prune", slot, share=float(self.totals[slot] / mass))
@@ -155,12 +155,12 @@ class VEMoE(Strategy):
         """Merge near-duplicates: by delta-W cosine, or by the functional distance on this round's probes (measured
         on the pool the clients received, i.e. before this round's update)."""
         cfg = self.cfg
-        pairs = merge_pairs(self.experts, self.active, cfg.merge_threshold, self.distance, cfg.merge_distance)
+        pairs = merge_pairs(self.experts, self.live, cfg.merge_threshold, self.distance, cfg.merge_distance)
         for kept, merged, measures in pairs:
             self.experts[kept] = merge(
                 self.experts[kept], self.experts[merged], float(self.totals[kept]), float(self.totals[merged])
             )
-            self.active[merged] = False
+            self.live[merged] = False
             self.low_rounds[merged] = 0
             self._event(server_round, "merge", merged, into=kept, **measures)
 
@@ -172,17 +172,17 @@ class VEMoE(Strategy):
     def report(self) -> dict[str, Any]:
         return {
             "vemoe": {
-                "active": self.active.astype(int).tolist(),
+                "live": self.live.astype(int).tolist(),
                 "responsibility": self.totals.round(6).tolist(),
                 "low_rounds": self.low_rounds.tolist(),  # rounds in a row below vemoe.prune-threshold
-                # each pair of active slots' functional distance on this round's probes (pool.functional_distance)
+                # each pair of live slots' functional distance on this round's probes (pool.functional_distance)
                 "distance": {
                     f"{a},{b}": round(float(self.distance[a, b]), 4)
-                    for a in range(len(self.active))
-                    for b in range(a + 1, len(self.active))
+                    for a in range(len(self.live))
+                    for b in range(a + 1, len(self.live))
                     if np.isfinite(self.distance[a, b])
                 },
-                "experts": int(self.active.sum()),
+                "experts": int(self.live.sum()),
                 "events": self.events,
             }
         }
@@ -213,12 +213,12 @@ class VEMoE(Strategy):
     def state_dict(self) -> dict[str, Arrays]:
         return {
             "pool": join_slots(self.experts),
-            "slots": {ACTIVE: self.active.astype(np.int64), LOW_ROUNDS: self.low_rounds.copy()},
+            "slots": {LIVE: self.live.astype(np.int64), LOW_ROUNDS: self.low_rounds.copy()},
         }
 
     def load_state_dict(self, state: dict[str, Arrays]) -> None:
         self.experts = split_slots(state["pool"], self.pool_cfg.k_max)
-        self.active = np.asarray(state["slots"][ACTIVE]).astype(bool)
+        self.live = np.asarray(state["slots"][LIVE]).astype(bool)
         self.low_rounds = np.asarray(state["slots"][LOW_ROUNDS]).astype(np.int64)
 
     def final_adapters(self) -> list[FinalAdapter]:

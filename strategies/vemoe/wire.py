@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-# payload arrays, both ways: each slot's responsibility (server -> client: 1 for an active slot, 0 for a free one)
+# payload arrays, both ways: each slot's responsibility (server -> client: 1 for a live slot, 0 for a free one)
 # and the birth vote (client -> server: 0 or 1; zero from the server)
 RESPONSIBILITY, VOTE = "responsibility", "birth-vote"
-# client -> server, summed with the rest: each pair of active slots' probe-loss gap |L_k - L_l| (K_max x K_max,
-# flattened) and each active slot's move |L_base - L_k| from the client's probe loss with no expert routed: from
+# client -> server, summed with the rest: each pair of live slots' probe-loss gap |L_k - L_l| (K_max x K_max,
+# flattened) and each live slot's move |L_base - L_k| from the client's probe loss with no expert routed: from
 # their sums the server measures how differently two experts serve the clients (``pool.functional_distance``)
 GAP, MOVE = "probe-gap", "probe-move"
 BIRTH_SLOT = "vemoe-birth-slot"  # train-instruction config: the free slot a voter puts its candidate in (-1: none)
@@ -39,10 +39,10 @@ BESIDE_POOL = (RESPONSIBILITY, VOTE, GAP, MOVE)  # the payload's arrays that are
 REPLY_METRICS: dict[str, type | None] = {PROBE_METRIC: float, R_METRIC: float, TOP_METRIC: int, VOTE_METRIC: None}
 
 
-def beside_pool(k_max: int, active: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """The payload's arrays beside the experts, zero (``active``: the server's 1 / 0 per slot as the
+def beside_pool(k_max: int, live: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The payload's arrays beside the experts, zero (``live``: the server's 1 / 0 per slot as the
     responsibility): one shape both ways, as SecAgg+ needs."""
-    responsibility = np.zeros(k_max) if active is None else np.asarray(active)
+    responsibility = np.zeros(k_max) if live is None else np.asarray(live)
     return {
         RESPONSIBILITY: responsibility.astype(np.float32),
         VOTE: np.zeros(1, np.float32),

@@ -1,8 +1,8 @@
 """The expert-pool adapter kind on a shared base model (VEMoE's, seed 002): every slot's expert arrives with every
 message and may be sent back; the routers are the client's own and stay in its state.
 
-Wire names: ``expert-<slot>.<peft name>`` for every slot of the pool (K_max experts, active or not, so every message
-has one shape). Which slots are active, the client's responsibilities and its routing are the strategy's
+Wire names: ``expert-<slot>.<peft name>`` for every slot of the pool (K_max experts, live or free, so every message
+has one shape). Which slots are live, the client's responsibilities and its routing are the strategy's
 (``strategies/vemoe``): it routes with ``route`` and probes one expert at a time with ``probe_loss``.
 """
 

@@ -16,10 +16,10 @@ PERSONAL_ADAPTER = "personal"  # the peft adapter name; never the travelling ("d
 
 
 def add_personal_lora(model: nn.Module, cfg: PersonalSection, seed: int) -> nn.Module:
-    """``model`` with a LoRA adapter named ``personal`` (a PeftModel); active beside the adapters it already has.
+    """``model`` with a LoRA adapter named ``personal`` (a PeftModel); enabled beside the adapters it already has.
 
     Its A is drawn from ``seed`` (B starts at zero, so it starts as the identity). A plain model is wrapped; a
-    PeftModel gets a second adapter, and both stay active (their outputs add up)."""
+    PeftModel gets a second adapter, and both stay enabled (their outputs add up)."""
     from peft import PeftModel, get_peft_model
 
     missing = [m for m in cfg.target_modules if not any(n.endswith(m) for n, _ in model.named_modules())]
@@ -30,9 +30,9 @@ def add_personal_lora(model: nn.Module, cfg: PersonalSection, seed: int) -> nn.M
     if not isinstance(model, PeftModel):
         return get_peft_model(model, lora_config(cfg), adapter_name=PERSONAL_ADAPTER)
     tuner = cast(Any, model.base_model)  # peft's LoraModel (nn.Module attribute access is typed Tensor | Module)
-    active = list(tuner.active_adapters)
+    enabled = list(tuner.active_adapters)
     model.add_adapter(PERSONAL_ADAPTER, lora_config(cfg))
-    tuner.set_adapter([*active, PERSONAL_ADAPTER])
+    tuner.set_adapter([*enabled, PERSONAL_ADAPTER])
     return model
 
 
