@@ -167,6 +167,10 @@ class TrainSection(Section):
     # the same loss and gradients as "all" (every position, transformers' own loss) without the vocabulary-wide
     # logits of the prompt (common.training.labelled_loss)
     loss_logits: Literal["labelled", "all"] = "labelled"
+    # with "labelled": a micro-batch that predicts more answer tokens than this takes the lm_head and cross-entropy
+    # this many at a time (common.chunked_loss): the same loss and gradients with at most this many x vocabulary
+    # logits alive (long answers, large vocabularies); 0 (off: on a CPU it saves memory, not time): all at once
+    loss_chunk_tokens: int = Field(0, ge=0)
 
 
 class EvalSection(Section):

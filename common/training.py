@@ -155,8 +155,19 @@ def labelled_logits(model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tenso
     return out.logits, targets, keep
 
 
-def labelled_loss(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean cross-entropy over the labelled tokens of a batch, as the model's own loss, from ``labelled_logits``."""
+def labelled_loss(model, inputs: dict[str, torch.Tensor], chunk_tokens: int = 0) -> torch.Tensor:
+    """Mean cross-entropy over the labelled tokens of a batch, as the model's own loss, from ``labelled_logits``.
+
+    ``chunk_tokens`` (``train.loss-chunk-tokens``): where the batch predicts more labelled tokens than that, the
+    model's forward stops at the final hidden states of those positions and the lm_head and the cross-entropy take
+    them that many at a time (``common.chunked_loss``): the same loss and gradients, with at most ``chunk_tokens``
+    x vocabulary logits alive instead of one row per answer token. 0, or a batch within it: the logits at once."""
+    from .chunked_loss import bypassed, chunked_cross_entropy, plain_lm_head
+
+    if 0 < chunk_tokens < int(loss_positions(inputs["labels"]).sum()) and plain_lm_head(model):
+        with bypassed(model.get_output_embeddings()) as head:
+            out, targets, _ = labelled_forward(model, inputs)
+        return chunked_cross_entropy(head, out.logits, targets, chunk_tokens) / len(targets)
     logits, targets, _ = labelled_logits(model, inputs)
     return torch.nn.functional.cross_entropy(logits.float(), targets)
 
@@ -195,7 +206,10 @@ def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection
         if share == 0:
             continue
         inputs = to_device(pack(piece) if cfg.packing else collate(piece, pad_id), device)
-        loss = labelled_loss(model, inputs) if cfg.loss_logits == "labelled" else model(**inputs).loss
+        if cfg.loss_logits == "labelled":
+            loss = labelled_loss(model, inputs, cfg.loss_chunk_tokens)
+        else:
+            loss = model(**inputs).loss
         loss = loss * share / cfg.grad_accum_steps
         loss.backward()
         loss_sum += float(loss.detach())

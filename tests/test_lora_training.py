@@ -303,6 +303,85 @@ def test_the_lm_head_at_labelled_positions_only_gives_the_full_logits_loss_and_g
         assert float(labelled_loss(model, inputs)) == pytest.approx(float(model(**inputs).loss), rel=1e-5)
 
 
+def test_linear_cross_entropy_by_chunks_equals_autograd_for_every_input():
+    """The fused chunked loss (a plain lm_head): its summed loss and the gradients of the hidden states, the weight
+    and the bias equal autograd's through the whole logits, whatever the chunk."""
+    from common.chunked_loss import LinearCrossEntropy
+
+    torch.manual_seed(0)
+    hidden, weight, bias = torch.randn(13, 8), torch.randn(50, 8) * 0.3, torch.randn(50) * 0.1
+    targets = torch.randint(0, 50, (13,))
+    scale = 1 / 13
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    (
+        torch.nn.functional.cross_entropy(torch.nn.functional.linear(*leaves), targets, reduction="sum") * scale
+    ).backward()
+    for chunk in (1, 4, 13, 100):
+        mine = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss = LinearCrossEntropy.apply(*mine, targets, chunk)
+        (loss * scale).backward()
+        reference = torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(hidden, weight, bias), targets, reduction="sum"
+        )
+        torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-5)
+        for a, b in zip(leaves, mine):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("head_lora", [False, True])
+def test_a_chunked_lm_head_gives_the_same_loss_and_gradients(tiny_llama_dir, packing, head_lora, monkeypatch):
+    """train.loss-chunk-tokens: a micro-batch with more answer tokens than a chunk takes the lm_head and the
+    cross-entropy a chunk at a time: the loss and gradients of the logits at once, by the fused loss (a plain
+    lm_head) or by recomputation (a LoRA on the lm_head, whose gradient only comes through it). The output
+    embedding's own forward is back afterwards; a batch within one chunk takes the plain path."""
+    import common.chunked_loss as chunked_loss
+    from common.training import accumulate_batch
+
+    targets = "q_proj,v_proj,lm_head" if head_lora else "q_proj,v_proj"
+    base = load_base_model(str(tiny_llama_dir), quantization="fp32", device="cpu")
+    model = attach_lora(base, LoraSection(r=4, alpha=8, target_modules=targets), seed=0)
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        if p.requires_grad and p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lm_head" in n for n in names) == head_lora
+    assert (type(model.get_output_embeddings()) is torch.nn.Linear) != head_lora  # fused / recomputed
+    batch = [encode(tokenizer, EXAMPLES[i], 64) for i in (0, 5, 6, 11, 3)]
+    calls = {"n": 0}
+    real = chunked_loss.chunked_cross_entropy
+
+    def counted(*args):
+        calls["n"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(chunked_loss, "chunked_cross_entropy", counted)
+
+    def gradient(chunk: int, micro: int):
+        model.zero_grad(set_to_none=True)
+        cfg = TrainSection(batch_size=5, micro_batch_size=micro, packing=packing, loss_chunk_tokens=chunk)
+        loss = accumulate_batch(model, batch, tokenizer.pad_token_id, cfg, "cpu")
+        return loss, [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    whole_loss, whole = gradient(0, 0)
+    assert calls["n"] == 0 and all(g.abs().max() > 0 for g in whole)
+    answers = [sum(label != IGNORE for label in e.labels[1:]) for e in batch]
+    expected = 0
+    for chunk, micro in ((1, 0), (7, 0), (2, 2)):
+        loss, grads = gradient(chunk, micro)
+        assert loss == pytest.approx(whole_loss, rel=1e-5)
+        for name, a, b in zip(names, whole, grads):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+        pieces = [answers[i : i + (micro or len(batch))] for i in range(0, len(batch), micro or len(batch))]
+        expected += sum(sum(piece) > chunk for piece in pieces)
+    assert calls["n"] == expected >= 4  # every micro-batch with more answer tokens than a chunk, and only those
+    assert "forward" not in model.get_output_embeddings().__dict__
+    gradient(10_000, 0)
+    assert calls["n"] == expected  # within one chunk: the logits at once
+
+
 @pytest.mark.parametrize("quantization", ["fp32", "nf4"])
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_llama_dir, quantization):
     """model.gradient-checkpointing: activations recomputed in the backward pass, the same training step."""
