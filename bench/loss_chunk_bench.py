@@ -2,11 +2,12 @@
 
     python -m bench.loss_chunk_bench [--chunks 0,1024,256] [--answer-tokens 2048] [--steps 3]
 
-One training micro-batch whose answers are long (real XSum articles as the answers, so every one of their tokens
-carries the loss), SmolLM2-135M NF4 with the demo's LoRA, one fresh process per chunk size: the peak memory of the
-process (``ru_maxrss``; the model's own share is the same in every row), the median seconds of a step (forward,
-backward), and the step's loss (the same in every row, to float rounding). On a CPU the logits are a share of the
-peak; on a GPU, with a 128k vocabulary, they are what ``chunk_tokens`` bounds.
+One training micro-batch whose answers are long (the XSum client's prompts, articles as the bank clips them to
+``data.max-prompt-chars``, as the answers, so every one of their tokens carries the loss), SmolLM2-135M NF4 with the
+demo's LoRA, one fresh process per chunk size: the peak memory of the process (``ru_maxrss``; the model's own share
+is the same in every row), the median seconds of a step (forward, backward), and the step's loss (the same in every
+row, to float rounding). On a CPU the logits are a share of the peak; on a GPU, with a 128k vocabulary, they are
+what ``chunk_tokens`` bounds.
 """
 
 from __future__ import annotations
@@ -31,19 +32,19 @@ def one(chunk: int, answer_tokens: int, steps: int) -> dict:
     from common.config import DataSection, TrainSection
     from common.data import Example, client_data
     from common.model import load_base_model, load_tokenizer
-    from common.training import accumulate_batch, encode
+    from common.training import IGNORE, accumulate_batch, encode
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     model = attach_lora(load_base_model("smollm2-135m-instruct", "nf4", "cpu"), LoraSection(), seed=0)
     model.train()
-    articles, _ = client_data(DataSection(), 2, 3, seed=0)  # the XSum client: its prompts hold the articles
+    articles, _ = client_data(DataSection(), 2, 3, seed=0)  # the XSum client: its prompts hold the (clipped) articles
     long = [Example("xsum", "Write the article this summary is about: " + e.answer, e.prompt) for e in articles]
     batch, total = [], 0
-    for example in long:  # whole articles (cut to 1,024 tokens each) until the batch holds answer_tokens
+    for example in long:  # examples until the batch holds answer_tokens
         encoded = encode(tokenizer, example, 1024)
         batch.append(encoded)
-        total += sum(label != -100 for label in encoded.labels[1:])
+        total += sum(label != IGNORE for label in encoded.labels[1:])
         if total >= answer_tokens:
             break
     cfg = TrainSection(batch_size=len(batch), loss_chunk_tokens=chunk)
