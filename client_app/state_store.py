@@ -38,16 +38,25 @@ def _in_simulation() -> bool:
     return ray is not None and ray.is_initialized()
 
 
-def state_file(context: Context) -> Path | None:
-    """Where this client's state lives on this node; None when persistence is off."""
+def state_root(context: Context) -> Path | None:
+    """The node's state directory (node-config ``state-dir``, else the default on a SuperNode); None when
+    persistence is off (simulation without ``state-dir``)."""
     configured = str(context.node_config.get("state-dir", ""))
     if not configured:
         if _in_simulation():
             return None
         configured = str(cache_dir() / "client-state")
+    return Path(configured).expanduser()
+
+
+def state_file(context: Context) -> Path | None:
+    """Where this client's state lives on this node; None when persistence is off."""
+    root = state_root(context)
+    if root is None:
+        return None
     run = f"{context.run_config.get('run-dir', '')}|{context.run_config.get('strategy', '')}"
     key = hashlib.sha256(run.encode()).hexdigest()[:16]
-    return Path(configured).expanduser() / key / f"partition-{int(context.node_config.get('partition-id', 0))}.pb"
+    return root / key / f"partition-{int(context.node_config.get('partition-id', 0))}.pb"
 
 
 def restore(context: Context, keys: tuple[str, ...], path: Path | None) -> str:

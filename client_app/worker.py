@@ -32,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
@@ -254,7 +253,7 @@ def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
                 reply = handle(kind, msg, context, spawn_seconds)
                 answer = ("ok", *_encode(reply, context), runtime.declared_state_keys(context))
             except Exception as err:  # the ClientApp raises it; the worker keeps serving
-                log.error("model worker: '%s' failed:\n%s", kind, traceback.format_exc())
+                log.error("model worker: '%s' failed", kind, exc_info=True)
                 answer = ("error", f"{type(err).__name__}: {err}")
             activity.update(last=time.monotonic(), busy=False)
             try:

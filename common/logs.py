@@ -3,6 +3,29 @@
 from __future__ import annotations
 
 import logging
+import re
+
+# what a message must not carry into a log line: line breaks (a member's text could forge lines of its own),
+# escapes that drive a terminal, and every other control character
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character written as its escape (``\\n``, ``\\x1b``): one line, inert."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class OneLineFormatter(logging.Formatter):
+    """Every message on one line of printable text, whatever its arguments hold (a member's error reason, a file
+    name); a traceback (``exc_info``) is printed below it as Python formats it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.msg, record.args
+        record.msg, record.args = one_line(record.getMessage()), None
+        try:
+            return super().format(record)
+        finally:
+            record.msg, record.args = saved
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -10,7 +33,7 @@ def get_logger(name: str) -> logging.Logger:
     logger = logging.getLogger(name)
     if not logger.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
+        handler.setFormatter(OneLineFormatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False

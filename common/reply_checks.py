@@ -86,8 +86,13 @@ TRAIN_OPTIONAL: dict[str, Spec] = {
     "secagg_clipped": Bound(int),
     "secagg_norm_clipped": Bound(int, 0, 1),
     "update_norm": Bound(float),  # secure mode: the member's own word (the server cannot measure one update)
+    "dp_member_releases": Bound(int),  # dp.*: what the member's own ledger holds (client_app.member_ledger)
+    "dp_member_releases_without_noise": Bound(int),
+    "dp_member_epsilon": Bound(float),
     **{f"train_guard_{k}": b for k, b in GUARD_BOUNDS.items()},
 }
+# dp.*: what a member's own privacy ledger holds (client_app.member_ledger), carried into its train row
+MEMBER_LEDGER_METRICS = ("dp_member_releases", "dp_member_releases_without_noise", "dp_member_epsilon")
 EVAL_OPTIONAL: dict[str, Spec] = {"eval_generated": Bound(int), **{f"guard_{k}": b for k, b in GUARD_BOUNDS.items()}}
 
 
@@ -127,11 +132,15 @@ class ReplyLimits:
     max_update_norm: an update further than this (L2) from what the member was sent is refused.
     clip_norm: if set, updates further than this are scaled back to it (``robust.clip-norm``).
     train_metrics: the metrics every train reply must carry (the core ones and the strategy's own).
+    private: ``dp.*``: every update is clipped to ``clip_norm`` and none is refused for its norm (the count a mean
+        divides by must not depend on the data), and nothing measured on an update (its norm, whether it was
+        clipped) is kept beyond the reply's check.
     """
 
     examples_per_round: int
     max_update_norm: float = 1e3
     clip_norm: float | None = None
+    private: bool = False
     train_metrics: Mapping[str, Bound] = field(default_factory=lambda: dict(TRAIN_METRICS))
     optional_metrics: Mapping[str, Spec] = field(default_factory=lambda: dict(TRAIN_OPTIONAL))
 

@@ -75,8 +75,14 @@ class Offenders:
             members: list[list[int]] = [[] for _ in range(parts)]
             for i, node in enumerate(suspects + clean):  # suspects first: one to each part before any doubles up
                 members[i % parts].append(node)
-            out += [
-                replace(group, name=f"{group.name}{SUBGROUP}{k + 1}", start={n: group.start[n] for n in part})
+            out += [  # each its own config (a subgroup's DP noise share is sized for its own members)
+                replace(
+                    group,
+                    name=f"{group.name}{SUBGROUP}{k + 1}",
+                    start={n: group.start[n] for n in part},
+                    config=dict(group.config),
+                    member_configs={n: dict(group.member_configs[n]) for n in part if n in group.member_configs},
+                )
                 for k, part in enumerate(members)
             ]
             log.info(

@@ -4,8 +4,9 @@ Per round: every group's members are weighted equally (an example count used as 
 its own, and one member's share of the sum must not grow with it), told the norm to clip their update to and, in
 distributed mode, the noise they add before masking (sized for the fewest members the group's sum can be unmasked
 with); in central mode the server adds the noise to each group's mean. The accountant composes the noise of every
-round run so far (kept in the checkpoint, so a resumed run goes on counting); a run with a target stops before the
-round that would exceed it, and every aggregate row says what has been spent.
+release of the run (the write-ahead ledger, ``server_app.ledger``: a round is counted before it is sent, and a round
+redone after a resume is counted again); a run with a target stops before the round that would exceed it, and every
+aggregate row says what has been spent.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import numpy as np
 from common.config import RunConfig
 from common.privacy import (
     DP_CLIP_NORM,
+    DP_DELTA,
+    DP_NOISE_MULTIPLIER,
     DP_NOISE_STD,
     epsilon_of,
     fewest_members,
@@ -35,6 +38,12 @@ def noise_multiplier(cfg: RunConfig) -> float:
     """z for this run: ``dp.noise-multiplier``, else the least that spends ``dp.target-epsilon`` in
     ``num-server-rounds`` rounds."""
     return cfg.dp.planned_noise(cfg.num_server_rounds)
+
+
+def about(cfg: RunConfig) -> dict[str, Any]:
+    """What a ledger line says of a round's privacy besides its noise multiplier (``server_app.ledger``)."""
+    dp = cfg.dp
+    return {"mode": dp.mode, "clip_norm": dp.clip_norm, "delta": dp.delta} if dp.enabled else {"mode": "off"}
 
 
 def stop_reason(cfg: RunConfig, spent: Sequence[float], server_round: int) -> str | None:
@@ -59,6 +68,7 @@ def prepare(cfg: RunConfig, groups: list[Group]) -> None:
     for group in groups:
         group.weight_by, group.max_weight = WEIGHT_EQUALLY, None
         group.config[DP_CLIP_NORM] = clip_norm
+        group.config.update({DP_NOISE_MULTIPLIER: z, DP_DELTA: cfg.dp.delta})  # what the member's ledger records
         if cfg.dp.mode == "distributed":
             size = len(group.members)
             threshold = reconstruction_threshold(size, cfg.secagg.num_shares, cfg.secagg.reconstruction_threshold)

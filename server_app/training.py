@@ -14,7 +14,7 @@ from common.config import RunConfig
 from common.guard import TRAIN_GUARD_METRICS
 from common.logs import get_logger
 from common.records import num_bytes
-from common.reply_checks import TRAIN_OPTIONAL, ReplyLimits, reply_metric_specs
+from common.reply_checks import MEMBER_LEDGER_METRICS, TRAIN_OPTIONAL, ReplyLimits, reply_metric_specs
 from strategies import Strategy, strategy_spec
 from strategies.base import GroupResult
 
@@ -82,6 +82,7 @@ def reply_limits(cfg: RunConfig, max_update_norm: float | None = None) -> ReplyL
         examples_per_round=examples_per_round(cfg),
         max_update_norm=max_update_norm or cfg.robust.max_update_norm,
         clip_norm=_clip_norm(cfg),
+        private=cfg.dp.enabled,
         optional_metrics={**TRAIN_OPTIONAL, **reply_metric_specs(declared)},
     )
 
@@ -115,6 +116,7 @@ def train_rows(
                 "tokens_per_second": metrics.get("tokens_per_second"),
                 "loss_tokens_per_second": metrics.get("loss_tokens_per_second"),  # tokens that carry a loss
                 **{k: metrics[k] for k in ("train_loss_tokens", "gpu_peak_allocated_mb") if k in metrics},
+                **{k: metrics[k] for k in MEMBER_LEDGER_METRICS if k in metrics},  # dp.*: the member's own ledger
                 "bytes_up": metrics.get("bytes_up", 0),
                 "bytes_down": metrics.get("bytes_down", 0),
                 "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),

@@ -13,6 +13,7 @@ per-round reports.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ from typing import Any
 
 from flwr.app import Message, MessageType, RecordDict
 
-from common.logs import get_logger
+from common.logs import get_logger, one_line
 from common.records import (
     ADAPTER_DIGEST,
     QUERY_INITIAL,
@@ -116,6 +117,7 @@ def _short_reason(reason: str, limit: int = 400) -> str:
     marker = "Message: "
     if marker in reason:
         reason = reason.rsplit(marker, 1)[1].rstrip("'>\n ")
+    reason = one_line(reason)  # it goes into the server's log and the node's row: no line breaks, no escapes
     return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
@@ -177,11 +179,15 @@ def _accept_train_reply(
     arrays, count, metrics = read_train_reply(_content(reply), start)
     metrics = check_metrics(metrics, limits.train_metrics, limits.optional_metrics)
     n, capped = check_weight(count, cap)
+    notes = [f"num_examples {count} capped at {n}"] if capped else []
+    if limits.private and limits.clip_norm is not None:  # dp.*: clipped, never refused for its norm, norm not kept
+        metrics.pop("update_norm", None)
+        metrics.pop("secagg_norm_clipped", None)
+        return clip_update(check_update(arrays, start, math.inf), start, limits.clip_norm)[0], n, metrics, notes
     arrays = check_update(arrays, start, limits.max_update_norm)
     # the update's L2 distance from what the member was sent, measured here (the member's own word is replaced):
     # the train row's update_norm, from which robust.max-update-norm can be chosen
     metrics["update_norm"] = update_norm(arrays, start)
-    notes = [f"num_examples {count} capped at {n}"] if capped else []
     if limits.clip_norm is not None:
         arrays, clipped = clip_update(arrays, start, limits.clip_norm)
         if clipped:
@@ -324,8 +330,8 @@ def _fetch_adapter(grid, holders: dict[int, tuple[int, str, str, Arrays]], timeo
 def collect_reports(
     grid, server_round: int, node_ids: list[int], read_report: Callable[[Arrays, dict[str, Any]], Any], timeout: float
 ) -> tuple[dict[int, Any], dict[int, str], dict[int, int]]:
-    """Every node's report for the strategy, validated by ``read_report``: the reports, the nodes left out (with
-    the reason) and each report's array bytes."""
+    """Every node's report for the strategy, its metrics held to a reply's bounds (``check_metrics``) and then
+    validated by ``read_report``: the reports, the nodes left out (with the reason) and each report's array bytes."""
     messages = [
         Message(
             query_instruction(QUERY_REPORT, {"server-round": server_round}),
@@ -341,7 +347,8 @@ def collect_reports(
     for nid, reply in _send(grid, messages, timeout).items():
         try:
             arrays, metrics = read_report_reply(_content(reply))
-            reports[nid] = read_report(arrays, metrics)
+            # the same bounds as a train reply's metrics (a report's text reaches rows, logs and plots)
+            reports[nid] = read_report(arrays, check_metrics(metrics, {}))
             sizes[nid] = num_bytes(arrays)
         except (ReplyError, KeyError, TypeError, ValueError) as err:
             rejected[nid] = str(err)

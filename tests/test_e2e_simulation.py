@@ -212,6 +212,14 @@ def test_fedavg_through_secagg_with_distributed_noise_counts_every_round_and_sto
     assert all(aggregate[r]["dp_mode"] == "distributed" and aggregate[r]["dp_noise_multiplier"] == z for r in (1, 2))
     trained = [r for r in rows if r["node"] is not None and r["round"] in (1, 2) and "accepted" in r]
     assert len(trained) == 6 and all(r["accepted"] and r["update_norm"] is None for r in trained), trained
+    # nothing measured on a raw update left a node; each member's own ledger counted its releases, the server's too
+    leaked = ("secagg_norm_clipped", "secagg_clipped", "robust")
+    assert not [(r["node"], k) for r in trained for k in leaked if k in r], trained
+    for r in trained:
+        assert r["dp_member_releases"] == r["round"] and r["dp_member_releases_without_noise"] == 0, r
+        assert r["dp_member_epsilon"] == pytest.approx(epsilon_spent(z, r["round"], 1e-5)), r
+    ledger = [json.loads(line) for line in (run_dir / "privacy-ledger.jsonl").read_text().splitlines()]
+    assert [(e["round"], e["noise_multiplier"]) for e in ledger] == [(1, z), (2, z)]
     b = np.concatenate([v.ravel() for k, v in global_adapter(run_dir).items() if "lora_B" in k])
     # two rounds of a mean over 3 members whose shares sum to N(0, (z C)^2) per coordinate: (z C / 3)^2 a round
     expected = np.sqrt(2) * z * clip_norm / 3 * np.sqrt(b.size)

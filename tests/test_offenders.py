@@ -92,3 +92,38 @@ def test_an_accepted_round_clears_a_members_strikes_and_exclude_after_0_never_ex
     assert not offenders.excluded and offenders.strikes[1] == 5
     run_round(offenders, 6, [group("g", [1, 2, 4])], set())
     assert 1 not in offenders.strikes and 2 not in offenders.strikes
+
+
+def test_each_subgroup_of_a_split_group_gets_its_own_config_and_its_own_dp_noise_share():
+    """Subgroups of one secure group are sized apart, so distributed DP sizes each one's noise share for its own
+    members: a config shared between them would give every subgroup the last one's share."""
+    from common.privacy import DP_NOISE_STD, fewest_members, share_std
+    from common.secure_bounds import reconstruction_threshold
+    from server_app import privacy
+    from strategies import load_run_config
+
+    cfg = load_run_config(
+        {
+            "secure": True,
+            "min-train-replies": 3,
+            "dp.mode": "distributed",
+            "dp.noise-multiplier": 1.0,
+            "dp.clip-norm": 0.1,
+            "secagg.num-shares": 1.0,
+            "secagg.reconstruction-threshold": 1.0,
+        }
+    )
+    offenders = Offenders(exclude_after=3, seed=0)
+    offenders.strikes.update({1: 1, 2: 1})
+    whole = group("pool", range(1, 10))
+    whole.config["shared"] = "x"
+    parts = offenders.split(1, [whole])
+    assert sorted(len(p.members) for p in parts) == [4, 5]
+    privacy.prepare(cfg, parts)
+    for part in parts:
+        size = len(part.members)
+        threshold = reconstruction_threshold(size, cfg.secagg.num_shares, cfg.secagg.reconstruction_threshold)
+        assert part.config[DP_NOISE_STD] == share_std(1.0, 0.1, fewest_members(size, threshold))
+        assert part.config["shared"] == "x"
+    assert parts[0].config[DP_NOISE_STD] != parts[1].config[DP_NOISE_STD]
+    assert DP_NOISE_STD not in whole.config  # the planned group is left as the strategy made it

@@ -249,3 +249,40 @@ def test_a_central_round_weighs_members_equally_clips_them_and_noises_only_the_m
         assert np.abs(noise).max() < 1e-6  # equal weights, clipped: the plain mean itself
     else:
         assert np.std(noise) == pytest.approx(z * clip_norm / 3, rel=0.05)
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_central_round_clips_before_any_norm_check_and_keeps_no_measured_norm(monkeypatch):
+    """Under dp.*, an update far beyond robust.max-update-norm is clipped and counted, never refused for its norm (the
+    count a mean divides by must not depend on the data), and no member's norm or clip note reaches its row."""
+    import test_transport_plain
+    from test_transport_plain import METRICS, START, InMemoryGrid
+
+    from common.records import train_reply
+    from server_app.offenders import Offenders
+    from server_app.training import reply_limits, train_round, train_rows
+    from strategies.base import ClientInfo
+    from strategies.fedavg import FedAvg
+
+    cfg = load_run_config({"dp.mode": "central", "dp.noise-multiplier": 1e-9, "dp.clip-norm": 0.5})
+    start = {k: np.zeros((6, 4), np.float32) for k in START}
+    monkeypatch.setattr(test_transport_plain, "START", start)
+    rng = np.random.default_rng(5)
+    updates = {
+        n: {k: (s * rng.normal(size=v.shape)).astype(np.float32) for k, v in start.items()}
+        for n, s in ((1, 1e-3), (2, 1.0), (3, 100.0))
+    }  # norms ~0.005, ~5, ~500
+    grid = InMemoryGrid(
+        {n: (lambda a, n=n: train_reply(updates[n], 1, {**METRICS, "update_norm": 9.0})) for n in updates}
+    )
+    strategy = FedAvg()
+    strategy.initialise({n: ClientInfo(n, n, "m", start) for n in updates})
+    limits = reply_limits(cfg, max_update_norm=1.0)  # the norm bound a plain round would refuse members 2 and 3 by
+    parts, (result,) = train_round(grid, None, cfg, strategy, 1, [1, 2, 3], Offenders(0, 0), limits)
+    assert sorted(result.contributors) == [1, 2, 3] and not result.rejected
+    clipped = [clip_update(updates[n], start, 0.5)[0] for n in (1, 2, 3)]
+    for k in start:
+        np.testing.assert_allclose(result.mean[k], sum(c[k] for c in clipped) / 3, atol=1e-6)
+    rows = train_rows(parts, 0.0, {})
+    assert all(rows[n]["update_norm"] is None and "robust" not in rows[n] for n in (1, 2, 3)), rows
+    assert "update_norm_median" not in rows[None]

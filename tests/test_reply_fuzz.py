@@ -132,3 +132,54 @@ def test_every_bad_value_of_every_eval_reply_key_costs_only_that_nodes_row(key, 
         elif key in by_node[2]:
             assert in_bounds(by_node[2][key.replace("-", "_")], spec) or isinstance(spec, Bound) is False, (key, value)
         assert by_node[None]["eval_loss"] is not None and np.isfinite(by_node[None]["eval_loss"])
+
+
+HUGE = ["x" * 20_000_006, ["n"] * 1_000_000, [[1.0]], b"bytes", *BAD]
+
+
+@pytest.mark.parametrize("key", ["tasks", "layer_names", "salience", "anything"])
+def test_every_bad_value_of_a_report_key_costs_only_that_nodes_report(key):
+    """A strategy report's metrics are held to the same bounds as a reply's before the strategy reads them: a
+    20,000,006-character string, a million-element list, a nested list, bytes or NaN is refused naming its key, and
+    only its sender's report is left out."""
+    from common.records import report_reply
+    from server_app.transport import collect_reports
+
+    for value in HUGE:
+        behaviour = {
+            1: lambda content: report_reply({"sig": np.ones(3, np.float32)}, {"tasks": "qa", "partition-id": 0}),
+            2: lambda content, value=value: report_reply({"sig": np.ones(3, np.float32)}, {key: value}),
+        }
+        try:
+            behaviour[2](None)
+        except (TypeError, ValueError):  # Flower's ConfigRecord refuses it before it is ever sent
+            continue
+        reports, rejected, _ = collect_reports(InMemoryGrid(behaviour), 1, [1, 2], lambda a, m: m, 1.0)
+        assert reports[1]["tasks"] == "qa", value
+        if 2 in rejected:
+            assert f"'{key}'" in rejected[2], (key, str(value)[:40], rejected[2])
+        else:  # accepted: within every bound a reply is held to
+            text = reports[2][key]
+            assert len(text) <= 4096 if isinstance(text, str) else True
+
+
+def test_an_atlas_fingerprint_naming_more_layers_than_its_model_has_is_refused():
+    from common.records import report_reply
+    from server_app.transport import collect_reports
+    from strategies import strategy_spec
+    from strategies.base import ClientInfo
+    from strategies.fingerprint.wire import FINGERPRINT, LAYER_IMPORTANCE, LAYER_NAMES
+
+    cfg = load_run_config({"strategy": "atlas"})
+    strategy = strategy_spec("atlas").server.from_config(cfg)
+    strategy.initialise({n: ClientInfo(n, n, "smol", START) for n in (1, 2, 3)})
+
+    def report(layers: int, tasks: str = "qa"):
+        metrics = {LAYER_NAMES: [f"l{i}" for i in range(layers)], LAYER_IMPORTANCE: [1.0] * layers}
+        return report_reply({FINGERPRINT: np.ones(8, np.float32)}, {**metrics, "model": "smol", "tasks": tasks})
+
+    behaviour = {1: lambda c: report(2), 2: lambda c: report(3), 3: lambda c: report(2, "y" * 5000)}
+    reports, rejected, _ = collect_reports(InMemoryGrid(behaviour), 1, [1, 2, 3], strategy.read_report, 1.0)
+    assert list(reports) == [1]
+    assert "3 layers, more than the 2 arrays" in rejected[2], rejected
+    assert "'tasks'" in rejected[3], rejected

@@ -381,3 +381,20 @@ def test_in_the_clear_a_reply_the_strategys_sum_check_refuses_is_left_out_alone(
     assert sorted(result.contributors) == [1, 2] and "a value above 2" in result.rejected[3]
     for key in START:
         np.testing.assert_allclose(result.mean[key], START[key] + 1.25)
+
+
+def test_a_clients_error_reason_reaches_the_servers_log_on_one_line(capsys):
+    """Log forging: a member's error text with line breaks and terminal escapes is one inert line in the server's
+    log and its row."""
+    import logging
+
+    from common.logs import OneLineFormatter
+    from server_app.transport import _short_reason
+
+    forged = "bad\n12:00:00 tessera.server INFO round 9: all good\r\x1b[2Kdone\u2028x"
+    reason = _short_reason(forged)
+    assert "\n" not in reason and "\r" not in reason and "\x1b" not in reason and "\u2028" not in reason
+    assert reason.startswith("bad\\n12:00:00") and "\\x1b[2K" in reason
+    record = logging.LogRecord("tessera.server", logging.WARNING, "f", 1, "node %d: %s", (3, forged), None)
+    line = OneLineFormatter("%(levelname)s %(message)s").format(record)
+    assert line.count("\n") == 0 and line.startswith("WARNING node 3: bad\\n")

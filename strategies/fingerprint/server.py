@@ -131,7 +131,15 @@ class FingerprintStrategy(Strategy):
         return [nid for nid in node_ids if self.partition_of.get(nid) not in self.reports]
 
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
-        return read_fingerprint(arrays, metrics)
+        """A valid fingerprint (``read_fingerprint``) naming no more layers than its model's adapter has arrays."""
+        report = read_fingerprint(arrays, metrics)
+        initial = self.initial.get(family_key(str(metrics.get("model", ""))))
+        if initial is not None and len(report.layer_names) > len(initial):
+            raise ValueError(
+                f"{LAYER_NAMES}: {len(report.layer_names)} layers, more than the {len(initial)} arrays of its model's "
+                "adapter"
+            )
+        return report
 
     def observe_reports(self, server_round: int, reports: dict[int, FingerprintReport]) -> dict[int, str]:
         left_out: dict[int, str] = {}
