@@ -22,10 +22,12 @@ from flwr.app import Context, Message
 
 from common.adapters import ReportsBound
 from common.config import TrainSection
+from common.dpsgd import private_train_round
 from common.evaluation import answer_loss, evaluate
 from common.guard import GUARD_STATE_KEY, as_train, choose, snapshot, trained_names
 from common.logs import get_logger
 from common.privacy import DP_CLIP_NORM, DP_NOISE_STD, with_noise
+from common.record_privacy import Steps
 from common.records import (
     ARRAYS,
     CONFIG,
@@ -40,11 +42,12 @@ from common.records import (
     report_reply,
     train_reply,
 )
-from common.reply_checks import clip_update, update_norm
+from common.reply_checks import RECORD_DP_WITHHELD, clip_update, update_norm
 from common.training import round_learning_rate, train_round
 from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, WEIGHT_BY, WEIGHT_BY_EXAMPLES
 from strategies.client import save_whole_adapter
 
+from . import member_ledger, record_dp
 from .runtime import ClientRuntime, begin_message, declared_state_keys, get_runtime, note_restored
 from .state_store import restore, save, state_file
 
@@ -52,6 +55,8 @@ if TYPE_CHECKING:
     from flwr.app.typing import ConfigRecordValues
 
 log = get_logger("tessera.client")
+# under DP-SGD, beside RECORD_DP_WITHHELD: counts of the sampled records, for the node's own log
+_RECORD_ONLY_ON_NODE = ("train_loss_tokens", "loss_tokens_per_second", "train_sampled", "train_clipped")
 
 
 def query(msg: Message, context: Context) -> Message:
@@ -61,6 +66,8 @@ def query(msg: Message, context: Context) -> Message:
     config = msg.content.config_records[CONFIG] if CONFIG in msg.content else {}
     kind = config.get("query", QUERY_INITIAL)
     if kind == QUERY_REPORT:
+        if record_dp.node_budget(context, rt.cfg) and (why := record_dp.refusal(rt.cfg)):
+            raise ValueError(why)  # a report made from the records outside DP-SGD would leave the node unaccounted
         arrays, metrics = rt.strategy.report(rt, rt.state, _config_int(config, "server-round", 0))
         return Message(report_reply(arrays, {**metrics, **rt.identity()}), reply_to=msg)
     if kind != QUERY_INITIAL:
@@ -110,9 +117,17 @@ def train(msg: Message, context: Context) -> Message:
         lr,
     )
     seed = rt.cfg.seed * 1000 + server_round * 97 + rt.partition_id
-    metrics: dict[str, Any] = dict(
-        train_round(rt.model, rt.tokenizer, rt.train, settings, lr, seed=seed, lr_groups=rt.adapter.lr_groups())
-    )
+    plan = _record_plan(context, rt, settings, server_round)
+    if plan is None:
+        trained = train_round(
+            rt.model, rt.tokenizer, rt.train, settings, lr, seed=seed, lr_groups=rt.adapter.lr_groups()
+        )
+    else:  # record-level DP-SGD: the member's budget (client_app.record_dp)
+        z, clip = plan.z, plan.budget.clip_norm
+        trained = private_train_round(
+            rt.model, rt.tokenizer, rt.train, settings, lr, plan.q, z, clip, rt.adapter.lr_groups()
+        )
+    metrics: dict[str, Any] = dict(trained)
     if rt.cfg.guard.enabled:  # the client's own adapter, for the next message's guard (all it ever trained)
         own = rt.state.get(GUARD_STATE_KEY) or {}
         rt.state.put(GUARD_STATE_KEY, snapshot(rt.model, sorted({*own, *trained_names(rt.model)})))
@@ -129,31 +144,84 @@ def train(msg: Message, context: Context) -> Message:
     weight = rt.strategy.member_weight(str(config.get(WEIGHT_BY, WEIGHT_BY_EXAMPLES)), metrics)
     received = arrays or {}
     sent = {k: received.get(k, np.zeros_like(v)) for k, v in updated.items()}  # what the update starts from
-    # how far the update moved from what was sent (L2): the train row's update_norm (plain mode: the server
-    # measures it itself), from which an operator can choose robust.max-update-norm
-    metrics["update_norm"] = update_norm(updated, sent)
-    if SECAGG_CLIP_NORM in config:  # the server cannot clip what it cannot see, and refuses a mean beyond it
-        updated, clipped = clip_update(updated, sent, float(config[SECAGG_CLIP_NORM]))
-        metrics["secagg_norm_clipped"] = int(clipped)
-    if DP_CLIP_NORM in config:  # differential privacy (common.privacy): the update clipped, then (distributed) noised
-        updated, clipped = clip_update(updated, sent, float(config[DP_CLIP_NORM]))
-        # its norm (and whether it was clipped) would say what the noise hides: kept on the node
-        log.info(
-            "partition %d: update norm %.4g, clipped to dp.clip-norm: %s",
-            rt.partition_id,
-            metrics.pop("update_norm"),
-            clipped,
-        )
-        if DP_NOISE_STD in config:  # this member's share of the noise, added before SecAgg+ masks it
-            updated = with_noise(updated, float(config[DP_NOISE_STD]))
+    if DP_CLIP_NORM in config:  # differential privacy: nothing measured on the raw update leaves the node
+        updated = private_update(updated, sent, config, rt.partition_id)
+    else:
+        # how far the update moved from what was sent (L2): the train row's update_norm (plain mode: the server
+        # measures it itself), from which an operator can choose robust.max-update-norm
+        metrics["update_norm"] = update_norm(updated, sent)
+        if SECAGG_CLIP_NORM in config:  # the server cannot clip what it cannot see, and refuses a mean beyond it
+            updated, clipped = clip_update(updated, sent, float(config[SECAGG_CLIP_NORM]))
+            metrics["secagg_norm_clipped"] = int(clipped)
     if SECAGG_CLIP in config:  # secure mode: how many values SecAgg+ will clamp to its range after weighting
         # Flower's SecAgg+ only warns when a weight exceeds its max_weight (the quantised sum can then wrap), and
         # the server refuses a group whose reported weight is over it: an honest member caps its own.
         weight = min(weight, int(float(config[SECAGG_MAX_WEIGHT])))
-        metrics["secagg_clipped"] = secagg_clipped(updated, weight, config)
+        clamped = secagg_clipped(updated, weight, config)
+        if DP_CLIP_NORM in config:  # a count over this member's noised share would say what the group's noise hides
+            log.info("partition %d: SecAgg+ will clamp %d values of this update", rt.partition_id, clamped)
+        else:
+            metrics["secagg_clipped"] = clamped
     if "audit-dir" in context.node_config:
         keep_audit_copy(Path(str(context.node_config["audit-dir"])), server_round, rt.partition_id, updated, weight)
+    metrics.update(member_ledger.record(context, server_round, config))  # counted before it is sent
+    if plan is not None:
+        member_ledger.count_steps(context, server_round, Steps(plan.q, plan.z, plan.steps))
+        metrics = _withheld_under_dp_sgd(metrics, rt.partition_id) | record_dp.round_metrics(plan)
     return Message(train_reply(updated, weight, metrics), reply_to=msg)
+
+
+def _record_plan(context: Context, rt: ClientRuntime, settings: TrainSection, server_round: int):
+    """This round's DP-SGD when the member (or the run) sets a record-level budget, else None; ``BudgetSpent`` (the
+    server logs it and goes on) or ValueError naming the key when it cannot train within it."""
+    budget = record_dp.node_budget(context, rt.cfg)
+    if budget is None:
+        return None
+    if why := record_dp.refusal(rt.cfg):
+        raise ValueError(why)
+    plan = record_dp.plan_round(context, rt.cfg, budget, settings, len(rt.train), server_round)
+    log.info(
+        "partition %d: DP-SGD at q %.4g, z %.4g, C %g: epsilon %.3f of %g after this round (delta %g, %s budget)",
+        rt.partition_id,
+        plan.q,
+        plan.z,
+        budget.clip_norm,
+        plan.epsilon_after,
+        budget.epsilon,
+        budget.delta,
+        budget.source,
+    )
+    return plan
+
+
+def _withheld_under_dp_sgd(metrics: dict[str, Any], partition_id: int) -> dict[str, Any]:
+    """The train metrics without what was computed from the sampled records outside the noised steps (their loss,
+    tokens and counts): logged on the node, never sent."""
+    kept = {k: v for k, v in metrics.items() if k not in RECORD_DP_WITHHELD and k not in _RECORD_ONLY_ON_NODE}
+    log.info(
+        "partition %d: DP-SGD round: loss %.4f over %d sampled examples (%d clipped), %d tokens (kept on the node)",
+        partition_id,
+        metrics["train_loss"],
+        metrics.get("train_sampled", 0),
+        metrics.get("train_clipped", 0),
+        metrics.get("train_tokens", 0),
+    )
+    return kept
+
+
+def private_update(
+    updated: dict[str, np.ndarray], sent: dict[str, np.ndarray], config: Mapping[str, Any], partition_id: int
+) -> dict[str, np.ndarray]:
+    """``dp.*`` (``common.privacy``): the update clipped once, to the tighter of ``dp.clip-norm`` and SecAgg+'s norm
+    bound, then (distributed mode) this member's share of the noise added before SecAgg+ masks it. Its norm, and
+    whether it was clipped, would say what the noise hides: they are logged on the node, never sent."""
+    norms = [float(config[k]) for k in (DP_CLIP_NORM, SECAGG_CLIP_NORM) if k in config]
+    norm = update_norm(updated, sent)
+    updated, clipped = clip_update(updated, sent, min(norms))
+    log.info("partition %d: update norm %.4g, clipped to %.4g: %s", partition_id, norm, min(norms), clipped)
+    if DP_NOISE_STD in config:
+        updated = with_noise(updated, float(config[DP_NOISE_STD]))
+    return updated
 
 
 def guard(rt: ClientRuntime) -> dict[str, Any]:
@@ -227,7 +295,8 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     )
     rt.adapter.end(rt.state)  # keep the newest received part (kinds with client state)
     if server_round == rt.cfg.num_server_rounds:
-        if isinstance(rt.adapter, ReportsBound):  # e.g. SubLoRA's compression bound, on the client's training data
+        private = record_dp.node_budget(context, rt.cfg) is not None  # the bound is made from the records
+        if isinstance(rt.adapter, ReportsBound) and not private:  # e.g. SubLoRA's bound, on the training data
             metrics.update(
                 rt.adapter.final_report(rt.tokenizer, rt.train, rt.cfg.eval.batch_size, rt.cfg.train.max_seq_len)
             )
@@ -236,8 +305,8 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
         out_dir = rt.cfg.run_path() / "client-adapters" / f"partition-{rt.partition_id}"
         kept_own = guarded.get("guard_share", 1.0) < 1.0
         out = save_whole_adapter(rt, out_dir) if kept_own else rt.strategy.save(rt, out_dir)
-        if out is not None:
-            metrics["adapter_dir"] = str(out)
+        if out is not None:  # where it lies is the node's to know: logged here, not sent
+            log.info("node %s (partition %d): its adapter is saved in %s", context.node_id, rt.partition_id, out)
     metrics.update(rt.identity())
     return Message(metrics_reply(metrics), reply_to=msg)
 

@@ -8,14 +8,19 @@ went out with no noise). Nothing removes a line: not a resume, not a fresh run (
 SuperNode. Where the node keeps no state directory (simulation without ``state-dir``) the ledger lives in the
 client's ``context.state`` for the run.
 
-Under ``dp.*`` the reply says what the member's ledger holds (``ledger_metrics``): its releases, how many carried no
+Under ``dp.*`` the reply says what the member's ledger holds (``record``): its releases, how many carried no
 noise, and, when every one carried noise, the epsilon they compose to at the run's delta (every run this node's
 ledger has seen, with this data). The member records the noise multiplier it is told; in distributed mode it adds
 its own share of that noise, in central mode it trusts the server to add it (docs/privacy.md).
+
+Record-level DP-SGD (``client_app.record_dp``) keeps its steps in the same ledger (``kind: "record"``: the round's
+sampling rate, noise multiplier and step count, written after the steps and before the update is sent), so a
+member's record-level epsilon composes every DP-SGD step it has ever taken on this data (``record_steps``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,7 @@ from flwr.app import ConfigRecord, Context
 from common.jsonl import append_durably, whole_lines
 from common.logs import get_logger
 from common.privacy import DP_DELTA, DP_NOISE_MULTIPLIER, epsilon_of
+from common.record_privacy import Steps
 
 from .state_store import state_root
 
@@ -42,33 +48,51 @@ def ledger_path(context: Context) -> Path | None:
     return root / "privacy-ledger" / f"partition-{int(context.node_config.get('partition-id', 0))}.jsonl"
 
 
+def _entries(context: Context) -> list[dict[str, Any]]:
+    path = ledger_path(context)
+    if path is not None:
+        return whole_lines(path)[0]
+    held = context.state.config_records.get(STATE_KEY)
+    lines = held["lines"] if held else []
+    return [json.loads(line) for line in lines if isinstance(line, str)]  # type: ignore[union-attr]
+
+
+def _append(context: Context, entry: dict[str, Any]) -> None:
+    """Add ``entry`` durably (an ``OSError`` if the node's state directory refuses it)."""
+    path = ledger_path(context)
+    line = {"run": f"{context.run_config.get('run-dir', '')}|{context.run_config.get('strategy', '')}", **entry}
+    if path is None:
+        held = context.state.config_records.get(STATE_KEY)
+        lines = [str(x) for x in (held["lines"] if held else [])]  # type: ignore[union-attr]
+        context.state[STATE_KEY] = ConfigRecord({"lines": [*lines, json.dumps(line)]})
+        return
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    append_durably(path, {**line, "time": time.time()})
+
+
+def _refused(context: Context, err: OSError) -> OSError:
+    """The error an uncountable update is refused with: its kind only (the node's path stays in its log)."""
+    log.error("privacy ledger not written to %s (node-config state-dir): %s", ledger_path(context), err)
+    return OSError(f"the node's privacy ledger could not be written ({type(err).__name__})")
+
+
 def record(context: Context, server_round: int, config: dict[str, Any]) -> dict[str, Any]:
     """Count this round's update before it is sent; the reply's ledger metrics under ``dp.*`` (else none). Under
     ``dp.*`` an ``OSError`` writing the line is raised: an update that cannot be counted is not sent."""
     z = float(config.get(DP_NOISE_MULTIPLIER, 0.0))
-    run = f"{context.run_config.get('run-dir', '')}|{context.run_config.get('strategy', '')}"
-    line = {"run": run, "round": server_round, "noise_multiplier": z, "time": time.time()}
-    path = ledger_path(context)
-    if path is None:
-        held = context.state.config_records.get(STATE_KEY)
-        earlier = held["noise"] if held else []
-        noise: list[float] = [*(float(n) for n in earlier if isinstance(n, (int, float))), z]  # type: ignore[union-attr]
-        context.state[STATE_KEY] = ConfigRecord({"noise": noise})
-    else:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            append_durably(path, line)
-        except OSError as err:
-            if DP_DELTA in config:  # under dp.*, an update that cannot be counted is not sent (its path stays here)
-                log.error("privacy ledger not written to %s (node-config state-dir): %s", path, err)
-                raise OSError(f"the node's privacy ledger could not be written ({type(err).__name__})") from None
-            if path not in _WARNED:  # without dp.* the line only says "no noise": the round goes on
-                _WARNED.add(path)
-                log.warning("privacy ledger not written to %s (node-config state-dir): %s", path, err)
-            return {}
-        noise = [float(e.get("noise_multiplier", 0.0)) for e in whole_lines(path)[0]]
+    try:
+        _append(context, {"kind": "member", "round": server_round, "noise_multiplier": z})
+    except OSError as err:
+        if DP_DELTA in config:  # under dp.*, an update that cannot be counted is not sent
+            raise _refused(context, err) from None
+        path = ledger_path(context)
+        if path not in _WARNED:  # without dp.* the line only says "no noise": the round goes on
+            _WARNED.add(path)  # type: ignore[arg-type]
+            log.warning("privacy ledger not written to %s (node-config state-dir): %s", path, err)
+        return {}
     if DP_DELTA not in config:
         return {}
+    noise = [float(e["noise_multiplier"]) for e in _entries(context) if e.get("kind", "member") == "member"]
     without = sum(1 for n in noise if n <= 0)
     metrics: dict[str, Any] = {"dp_member_releases": len(noise), "dp_member_releases_without_noise": without}
     if not without:
@@ -81,3 +105,23 @@ def record(context: Context, server_round: int, config: dict[str, Any]) -> dict[
         f", epsilon {metrics['dp_member_epsilon']:.3f}" if "dp_member_epsilon" in metrics else "",
     )
     return metrics
+
+
+def record_steps(context: Context) -> list[Steps]:
+    """Every DP-SGD step this member's ledger holds (all runs on this node's data), in order."""
+    return [
+        Steps(float(e["q"]), float(e["noise_multiplier"]), int(e["steps"]))
+        for e in _entries(context)
+        if e.get("kind") == "record"
+    ]
+
+
+def count_steps(context: Context, server_round: int, steps: Steps) -> None:
+    """Count a round's DP-SGD steps before the update made by them is sent (``OSError``: it must not be sent)."""
+    try:
+        _append(
+            context,
+            {"kind": "record", "round": server_round, "q": steps.q, "noise_multiplier": steps.z, "steps": steps.count},
+        )
+    except OSError as err:
+        raise _refused(context, err) from None

@@ -21,11 +21,14 @@ from flwr.app import Context
 from common.adapters import AdapterKind, ClientState, adapter_kind
 from common.config import RunConfig
 from common.data import ClientData, DataError, Example, load_client_data
+from common.data.node import ALLOW_PATHS_KEY, run_config_paths_allowed
 from common.logs import get_logger
 from common.model import load_base_model, load_tokenizer
 from common.records import IDENTITY_KEYS
 from common.training import token_counts
 from strategies import StrategyClient, load_run_config, strategy_spec
+
+from .state_store import _in_simulation
 
 log = get_logger("tessera.client")
 
@@ -206,15 +209,33 @@ def client_data_for(
 ) -> ClientData:
     """This client's data, read once per process: the node's own (node-config ``data-path``), else its share of
     the run's bank. Bad data is refused here with the whole story in the node's log (file, row, fix) and only the
-    reason in the error the server sees (no path, no text)."""
-    node_data = {k: v for k, v in context.node_config.items() if str(k).startswith("data-")}
-    key = (cfg.data.model_dump_json(), tuple(sorted(node_data.items())), partition_id, num_partitions, cfg.seed)
+    reason in the error the server sees (no path, no text): a ``DataError``'s message, or for any other exception
+    (an ``OSError`` names its path) only its kind. Outside simulation the run config may not name files on the node
+    (``data.partition-sources``, a path in ``data.source``) unless node-config ``allow-run-config-paths`` is true."""
+    node_data = {k: v for k, v in context.node_config.items() if str(k).startswith("data-") or k == ALLOW_PATHS_KEY}
+    simulation = _in_simulation()
+    key = (
+        cfg.data.model_dump_json(),
+        tuple(sorted(node_data.items())),
+        partition_id,
+        num_partitions,
+        cfg.seed,
+        simulation,
+    )
     if key not in _DATA:
         try:
-            data = load_client_data(cfg.data, partition_id, num_partitions, cfg.seed, dict(context.node_config))
+            paths = run_config_paths_allowed(dict(context.node_config), simulation)
+            data = load_client_data(cfg.data, partition_id, num_partitions, cfg.seed, dict(context.node_config), paths)
         except DataError as err:
             log.error("partition %d: its data cannot be used: %s", partition_id, err.detail)
             raise DataError(f"node data: {err}") from None
+        except Exception as err:  # its message may hold the path or the text (PermissionError: the path)
+            log.error(
+                "partition %d: its data cannot be used: %s: %s", partition_id, type(err).__name__, err, exc_info=True
+            )
+            raise DataError(
+                f"node data: the node's data could not be read ({type(err).__name__}); details are in the node's log"
+            ) from None
         examples = data.train + data.held_out  # what it trains on and what it is evaluated on
         tokens, over, counted = token_counts(loaded.tokenizer, examples, cfg.train.max_seq_len, TOKEN_COUNT_LIMIT)
         data.counts.update({"data-tokens": tokens, "data-over-max-seq-len": over, "data-tokens-counted": counted})

@@ -142,6 +142,11 @@ class RunConfig(Section):
                 "dp.mode: 'central' has the server add the noise to sums it sees; with secure=true "
                 "the members add it ('distributed')"
             )
+        if self.dp.record_enabled and self.guard.enabled:
+            raise ValueError(
+                "guard.enabled: not with record-level DP (dp.record-epsilon): it chooses on the member's validation "
+                "records outside the DP-SGD steps"
+            )
         if not self.dp.enabled:
             return
         from common.privacy import clamp_problem, share_std

@@ -305,6 +305,17 @@ class DPSection(Section):
         0: no target (``noise_multiplier`` then says how much noise, and the metrics what it spent).
     noise_multiplier: z: a released sum carries N(0, (z C)^2) per coordinate (0: chosen from ``target_epsilon``).
     delta: the delta every epsilon is stated at.
+
+    Record-level DP-SGD on every member's training (``common.record_privacy``; the member's own node config wins:
+    ``dp-record-epsilon``, ``dp-record-delta``, ``dp-record-clip``, ``dp-record-noise-multiplier``):
+    record_epsilon: the target of a member whose node config sets none (0: none; what simulation uses).
+    record_partition_epsilons: per partition, its target where its node config sets none (simulation, where every
+        node shares one node config); overrides ``record_epsilon`` for the partitions it lists.
+    record_max_epsilon: a ceiling every member's target is lowered to (0: none); it never raises one.
+    record_delta: the most delta a member's epsilon is stated at (a member's own smaller delta is kept).
+    record_clip_norm: C, each example's gradient norm, where the member's node config sets none.
+    record_noise_multiplier: z of every DP-SGD step (0: each member calibrates its own from its target for the
+        planned rounds x local steps); with one, a member stops training once a step would pass its target.
     """
 
     mode: Literal["off", "central", "distributed"] = "off"
@@ -312,10 +323,35 @@ class DPSection(Section):
     target_epsilon: float = Field(0.0, ge=0, allow_inf_nan=False)
     noise_multiplier: float = Field(0.0, ge=0, le=MAX_NOISE_MULTIPLIER, allow_inf_nan=False)
     delta: float = Field(1e-5, gt=0, lt=1)
+    record_epsilon: float = Field(0.0, ge=0, allow_inf_nan=False)
+    record_partition_epsilons: list[float] = Field(default_factory=list)
+    record_max_epsilon: float = Field(0.0, ge=0, allow_inf_nan=False)
+    record_delta: float = Field(1e-5, gt=0, lt=1)
+    record_clip_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    record_noise_multiplier: float = Field(0.0, ge=0, le=1e3, allow_inf_nan=False)
+    _csv = field_validator("record_partition_epsilons", mode="before")(split_csv)
+
+    @field_validator("record_partition_epsilons")
+    @classmethod
+    def _positive(cls, values: list[float]) -> list[float]:
+        if any(not v > 0 or v == float("inf") for v in values):
+            raise ValueError("every partition's epsilon must be a finite number > 0")
+        return values
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def record_enabled(self) -> bool:
+        """Whether the run asks its members for record-level DP-SGD (a member's own node config may, regardless)."""
+        return self.record_epsilon > 0 or bool(self.record_partition_epsilons)
+
+    def record_default(self, partition_id: int) -> float:
+        """The run's record-level target for a partition whose node config sets none (0: none)."""
+        if partition_id < len(self.record_partition_epsilons):
+            return self.record_partition_epsilons[partition_id]
+        return self.record_epsilon
 
     def planned_noise(self, rounds: int) -> float:
         """z for a run of ``rounds`` rounds: ``noise_multiplier``, else the least that spends ``target_epsilon`` in

@@ -3,17 +3,41 @@ plots share (``strategies/<name>/plots.py``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from common.logs import get_logger
+
+log = get_logger("tessera.plots")
+T = TypeVar("T")
 
 
 def pyplot():
+    """matplotlib's pyplot, drawing to files, every text plain: labels, titles and legends carry what members
+    report (task sets, model names), and a ``$\\foo$`` there must be drawn as written, not parsed as math text (an
+    unknown symbol raised) or handed to LaTeX. Every figure here calls this before it makes a text."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; servers have no display
+    matplotlib.rcParams.update({"text.parse_math": False, "text.usetex": False})
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def drawn(name: str, draw: Callable[[], T], empty: T) -> T:
+    """``draw()``, or ``empty`` if it raises: a figure that cannot be drawn (whatever a member reported, a full disk)
+    is logged with its ``name`` and never stops a run; the figures it left open are closed."""
+    plt = pyplot()
+    before = set(plt.get_fignums())
+    try:
+        return draw()
+    except Exception as err:
+        log.error("figure %s not drawn, the run goes on: %s: %s", name, type(err).__name__, err, exc_info=err)
+        for number in set(plt.get_fignums()) - before:
+            plt.close(number)
+        return empty
 
 
 def client_key(row: dict[str, Any]) -> int | None:

@@ -89,10 +89,25 @@ TRAIN_OPTIONAL: dict[str, Spec] = {
     "dp_member_releases": Bound(int),  # dp.*: what the member's own ledger holds (client_app.member_ledger)
     "dp_member_releases_without_noise": Bound(int),
     "dp_member_epsilon": Bound(float),
+    "dp_record_epsilon": Bound(float),
+    "dp_record_target": Bound(float),
+    "dp_record_delta": Bound(float, 0.0, 1.0),
+    "dp_record_noise_multiplier": Bound(float),
+    "dp_record_sampling_rate": Bound(float, 0.0, 1.0),
     **{f"train_guard_{k}": b for k, b in GUARD_BOUNDS.items()},
 }
 # dp.*: what a member's own privacy ledger holds (client_app.member_ledger), carried into its train row
 MEMBER_LEDGER_METRICS = ("dp_member_releases", "dp_member_releases_without_noise", "dp_member_epsilon")
+# record-level DP-SGD (client_app.record_dp): the member's epsilon spent so far, its target and delta, this round's
+# noise multiplier and sampling rate; a reply that carries them need not carry its training loss and token counts
+RECORD_DP_METRICS = (
+    "dp_record_epsilon",
+    "dp_record_target",
+    "dp_record_delta",
+    "dp_record_noise_multiplier",
+    "dp_record_sampling_rate",
+)
+RECORD_DP_WITHHELD = ("train_loss", "train_tokens", "tokens_per_second")  # computed from the sampled records
 EVAL_OPTIONAL: dict[str, Spec] = {"eval_generated": Bound(int), **{f"guard_{k}": b for k, b in GUARD_BOUNDS.items()}}
 
 
@@ -160,6 +175,8 @@ def check_metrics(
         size.add(key, value)
         _check_value(key, value)
     checked = dict(metrics)
+    if RECORD_DP_METRICS[0] in metrics:  # a member training by DP-SGD keeps what it computed from its records
+        required = {k: b for k, b in required.items() if k not in RECORD_DP_WITHHELD}
     for key, bound in required.items():
         if key not in metrics:
             raise ReplyError(f"metric '{key}' is missing")

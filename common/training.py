@@ -190,6 +190,13 @@ def _answer_tokens(example: Encoded) -> int:
     return sum(label != IGNORE for label in example.labels[1:])  # what the shifted causal-LM loss averages over
 
 
+def mean_answer_loss(model, inputs: dict[str, torch.Tensor], cfg: TrainSection) -> torch.Tensor:
+    """The mean cross-entropy over a batch's answer tokens (with the graph), as ``train.loss-logits`` computes it."""
+    if cfg.loss_logits == "labelled":
+        return labelled_loss(model, inputs, cfg.loss_chunk_tokens)
+    return model(**inputs).loss
+
+
 def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection, device) -> float:
     """Backpropagate one batch's mean answer-token loss (/ grad-accum steps); return that loss.
 
@@ -206,14 +213,23 @@ def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection
         if share == 0:
             continue
         inputs = to_device(pack(piece) if cfg.packing else collate(piece, pad_id), device)
-        if cfg.loss_logits == "labelled":
-            loss = labelled_loss(model, inputs, cfg.loss_chunk_tokens)
-        else:
-            loss = model(**inputs).loss
-        loss = loss * share / cfg.grad_accum_steps
+        loss = mean_answer_loss(model, inputs, cfg) * share / cfg.grad_accum_steps
         loss.backward()
         loss_sum += float(loss.detach())
     return loss_sum
+
+
+def trainable_and_optimizer(
+    model, cfg: TrainSection, lr: float, lr_groups: list[tuple[list[torch.nn.Parameter], float]] | None = None
+) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """The model's trainable parameters and the AdamW that steps them (``lr_groups``: as ``train_round`` takes)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    parts = [(params, 1.0)] if lr_groups is None else [(ps, scale) for ps, scale in lr_groups if ps]
+    grouped = [id(p) for ps, _ in parts for p in ps]
+    if sorted(grouped) != sorted(id(p) for p in params):
+        raise ValueError("lr_groups: every trainable parameter must be in exactly one group")
+    groups = [{"params": ps, "lr": lr * scale} for ps, scale in parts]
+    return params, torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
 
 
 def train_round(
@@ -231,13 +247,7 @@ def train_round(
     (a PQ path and a personal LoRA); None: every trainable parameter at ``lr``."""
     start = time.perf_counter()
     device = next(p for p in model.parameters() if p.requires_grad).device
-    params = [p for p in model.parameters() if p.requires_grad]
-    parts = [(params, 1.0)] if lr_groups is None else [(ps, scale) for ps, scale in lr_groups if ps]
-    grouped = [id(p) for ps, _ in parts for p in ps]
-    if sorted(grouped) != sorted(id(p) for p in params):
-        raise ValueError("lr_groups: every trainable parameter must be in exactly one group")
-    groups = [{"params": ps, "lr": lr * scale} for ps, scale in parts]
-    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
+    params, optimizer = trainable_and_optimizer(model, cfg, lr, lr_groups)
     rng = random.Random(seed)
     # Encoded when first drawn, not all up front: a node with 200,000 examples trains a few batches a round.
     encoded: dict[int, Encoded] = {}

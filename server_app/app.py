@@ -31,6 +31,7 @@ from strategies.base import Arrays, ClientInfo, GroupResult
 from . import privacy
 from .admission import Admission, initialise_strategy, log_left_out, slim
 from .evaluation import evaluate_round
+from .ledger import PrivacyLedger
 from .offenders import Offenders
 from .rundir import CheckpointError, RunDirectory
 from .sampling import round_participants
@@ -52,8 +53,10 @@ class Federation:
         admission: what the first admission agreed on (each model's start, who holds each partition).
         offenders: who is behind refused secure aggregates; norm_medians: each round's median accepted update norm
             (what ``robust.auto-norm-multiple`` chooses the bound from).
-        dp_noise: the noise multiplier of every round run so far (``dp.*``: what the accountant composes; kept in
-            the checkpoint).
+        ledger: the run directory's privacy ledger (``server_app.ledger``): every round's release, recorded before
+            the round's first instruction goes out.
+        dp_noise: the noise multiplier of every release of this run so far, redone rounds included (the ledger's,
+            what the accountant composes; 0 for a round without ``dp.*``).
     """
 
     cfg: RunConfig
@@ -64,6 +67,7 @@ class Federation:
     refused: set[int]
     admission: Admission
     offenders: Offenders
+    ledger: PrivacyLedger
     norm_medians: list[float] = field(default_factory=list)
     dp_noise: list[float] = field(default_factory=list)
 
@@ -120,7 +124,9 @@ def start_federation(grid: Grid, context: Context) -> tuple[Federation, tuple[di
         admission.owner = {int(p): int(n) for p, n in checkpoint[0].get("partition-owners", {}).items()}
     offenders = Offenders(cfg.robust.exclude_after, cfg.seed)  # who is behind refused secure aggregates
     clients, left_out = _admit_clients(grid, cfg, strategy, admission, node_ids)
-    fed = Federation(cfg, run, strategy, node_ids, clients, set(left_out), admission, offenders)
+    # a resumed run goes on with the ledger lines of the run it continues; a fresh one starts its own
+    ledger = PrivacyLedger(run.path, checkpoint[0].get("ledger-run") if checkpoint is not None else None)
+    fed = Federation(cfg, run, strategy, node_ids, clients, set(left_out), admission, offenders, ledger)
     return fed, checkpoint
 
 
@@ -151,7 +157,9 @@ def resume_federation(fed: Federation, checkpoint: tuple[dict, dict[str, Arrays]
     fed.strategy.load_state_dict(state)
     fed.run.truncate_metrics_after(meta["round"])
     fed.norm_medians = [r["update_norm_median"] for r in fed.run.read_metrics() if _median_row(r)]
-    fed.dp_noise = [float(z) for z in meta.get("dp-noise", [])]
+    # every round the checkpoint says was done is a release: the ledger holds it (or is made to), never fewer
+    fed.ledger.unrecorded(int(meta["round"]), [float(z) for z in meta.get("dp-noise", [])])
+    fed.dp_noise = fed.ledger.noise_multipliers()
     log.info("resuming after round %d from %s", meta["round"], fed.run.checkpoint_dir)
     return meta["round"] + 1
 
@@ -165,7 +173,7 @@ def round_zero(grid: Grid, fed: Federation) -> int:
         evaluated = round_participants(fed.cfg, fed.node_ids, fed.clients, 0)[1]
         started = time.perf_counter()
         evaluate_round(grid, fed.cfg, fed.strategy, fed.run, 0, evaluated, {}, started, _partitions(fed.clients))
-    _checkpoint(fed.run, 0, fed.strategy, _checkpoint_meta(fed.cfg, fed.node_ids, fed.admission))
+    _checkpoint(fed.run, 0, fed.strategy, _checkpoint_meta(fed.cfg, fed.node_ids, fed.admission, fed.ledger))
     return 1
 
 
@@ -179,20 +187,21 @@ def run_round(grid: Grid, context: Context, fed: Federation, server_round: int) 
     fed.node_ids = _admit_new_nodes(grid, cfg, strategy, fed.clients, fed.refused, connected, fed.admission)
     sampled, evaluated = round_participants(cfg, fed.node_ids, fed.clients, server_round)
     sampled = [n for n in sampled if n not in fed.offenders.excluded]  # repeat offenders train no more
+    # write-ahead: the round's release is on disk before its first report or train instruction goes out
+    fed.ledger.record(server_round, privacy.noise_multiplier(cfg) if cfg.dp.enabled else 0.0, **privacy.about(cfg))
+    fed.dp_noise = fed.ledger.noise_multipliers()
     asked = strategy.report_nodes(server_round, sampled)
     report_rows = _collect_reports(grid, cfg, strategy, server_round, asked) if asked else {}
     bound = chosen_max_update_norm(fed.norm_medians, cfg.robust.auto_norm_multiple, cfg.robust.max_update_norm)
     limits = reply_limits(cfg, bound)
     parts, results = train_round(grid, context, cfg, strategy, server_round, sampled, fed.offenders, limits)
-    if cfg.dp.enabled:  # the round's sums were released with this much noise
-        fed.dp_noise.append(privacy.noise_multiplier(cfg))
     results = _without_means_below_quorum(cfg, server_round, results)
     aggregate_started = time.perf_counter()
     strategy.update(server_round, results)
     rows = _round_rows(fed, parts, time.perf_counter() - aggregate_started, bound, report_rows, sampled)
     evaluate_round(grid, cfg, strategy, fed.run, server_round, evaluated, rows, started, _partitions(fed.clients))
-    strategy.plot_round(server_round, rows[None], fed.run.path)
-    _checkpoint(fed.run, server_round, strategy, _checkpoint_meta(cfg, fed.node_ids, fed.admission, fed.dp_noise))
+    _checkpoint(fed.run, server_round, strategy, _checkpoint_meta(cfg, fed.node_ids, fed.admission, fed.ledger))
+    strategy.plot_round(server_round, rows[None], fed.run.path)  # optional: after the checkpoint
 
 
 def _without_means_below_quorum(cfg: RunConfig, server_round: int, results: list[GroupResult]) -> list[GroupResult]:
@@ -243,12 +252,16 @@ def finish_federation(fed: Federation) -> None:
         spent = privacy.round_row(fed.cfg, fed.dp_noise)
         line = (
             f"differential privacy ({fed.cfg.dp.mode}): epsilon {spent['dp_epsilon']:.3f} at delta "
-            f"{fed.cfg.dp.delta:g} over {len(fed.dp_noise)} round(s), clip norm {fed.cfg.dp.clip_norm:g}"
+            f"{fed.cfg.dp.delta:g} over {len(fed.dp_noise)} release(s) (the ledger: {fed.ledger.path}), clip norm "
+            f"{fed.cfg.dp.clip_norm:g}"
         )
         log.info("%s", line)
         print(f"[tessera] {line}", flush=True)
-    plot = fed.run.plot_eval_loss()
-    fed.strategy.plot_run(fed.run.read_metrics(), fed.run.path)
+    for line in privacy.record_lines(fed.run.read_metrics()):  # record-level DP-SGD: each member's own epsilon
+        log.info("%s", line)
+        print(f"[tessera] {line}", flush=True)
+    plot = fed.run.plot_eval_loss() or "not drawn (see the log)"  # a figure never stops a run (common.plots.drawn)
+    fed.strategy.plot_run(fed.run.read_metrics(), fed.run.path)  # logged, never raised (Strategy.__init_subclass__)
     log.info(
         "done. metrics: %s | plot: %s | adapter: %s", fed.run.metrics_path, plot, ", ".join(str(a) for a in adapters)
     )
@@ -260,23 +273,37 @@ def finish_federation(fed: Federation) -> None:
 
 
 def _checkpoint_meta(
-    cfg: RunConfig, node_ids: list[int], admission: Admission | None = None, dp_noise: list[float] | None = None
+    cfg: RunConfig, node_ids: list[int], admission: Admission | None = None, ledger: PrivacyLedger | None = None
 ) -> dict[str, Any]:
     """Beside the state: the nodes, the settings it was written with (``check_resumable`` compares them), which
-    node each partition is bound to (``robust.bind-partitions``) and every round's noise multiplier (``dp.*``)."""
+    node each partition is bound to (``robust.bind-partitions``), the ledger's run and every release's noise
+    multiplier so far (0 for a round without ``dp.*``; the ledger itself is the record)."""
     owners = {str(p): n for p, n in admission.owner.items()} if admission else {}
     meta = {"nodes": node_ids, "settings": cfg.to_flat(), **({"partition-owners": owners} if owners else {})}
-    return {**meta, "dp-noise": dp_noise} if dp_noise else meta
+    if ledger is None:
+        return meta
+    return {**meta, "ledger-run": ledger.run, "dp-noise": ledger.noise_multipliers()}
 
 
 def check_resumable(cfg: RunConfig, strategy: Strategy, meta: dict, state: dict[str, Arrays], where) -> None:
-    """Refuse a checkpoint written by another strategy, base model or adapter shape, naming what differs (after
-    ``strategy.initialise``: its fresh state has this run's shapes)."""
+    """Refuse a checkpoint written by another strategy, base model, adapter shape or privacy setting (``dp.*``),
+    naming what differs (after ``strategy.initialise``: its fresh state has this run's shapes)."""
     if meta["strategy"] != strategy.name:
         raise ValueError(
             f"resume: the checkpoint in {where} is for strategy '{meta['strategy']}', not '{strategy.name}'"
         )
     before, now = meta.get("settings", {}), cfg.to_flat()
+    # the released adapter carries every round before the checkpoint: another dp.* would misstate what it spent
+    privacy_differ = [
+        f"{k}: {before.get(k, 'unrecorded')!r} -> {now[k]!r}"
+        for k in sorted(now)
+        if k.startswith("dp.") and before.get(k) != now[k] and (k in before or cfg.dp.enabled)
+    ]
+    if privacy_differ:
+        raise ValueError(
+            f"resume: the checkpoint in {where} was written with other privacy settings ({'; '.join(privacy_differ)}): "
+            "the rounds it holds were released under those; resume with them, or start over (resume=false)"
+        )
     adapter_key = adapter_kind(cfg.adapter).section.key
     shape_keys = [k for k in now if k in ("model.name", "model.partition-models") or k.startswith(adapter_key + ".")]
     differ = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in shape_keys if k in before and before[k] != now[k]]
@@ -370,8 +397,9 @@ def _median_row(row: dict[str, Any]) -> bool:
 
 
 def _save_adapters(cfg: RunConfig, strategy: Strategy, run: RunDirectory) -> list:
-    """The strategy's final adapters, each written the way its adapter kind saves a server copy (PEFT for LoRA)."""
+    """The strategy's final adapters, each written the way its adapter kind saves a server copy (PEFT for LoRA); one
+    whose directory another already has is refused and logged, never written over it (``RunDirectory.adapter_dirs``)."""
     kind = adapter_kind(cfg.adapter)
-    return [
-        kind.save_server_copy(a.arrays, cfg, a.base_model, run.adapter_dir(a.name)) for a in strategy.final_adapters()
-    ]
+    final = strategy.final_adapters()
+    targets = run.adapter_dirs([a.name for a in final])
+    return [kind.save_server_copy(a.arrays, cfg, a.base_model, targets[i]) for i, a in enumerate(final) if i in targets]

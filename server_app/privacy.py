@@ -110,3 +110,17 @@ def round_row(cfg: RunConfig, spent: Sequence[float]) -> dict[str, Any]:
         "dp_delta": cfg.dp.delta,
         "dp_epsilon": epsilon_of(spent, cfg.dp.delta),
     }
+
+
+def record_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The run's last lines on record-level DP-SGD: each member's epsilon spent, from its last train row that says
+    (the member's own accounting, ``client_app.record_dp``); nothing when no member trained by DP-SGD."""
+    last: dict[Any, dict[str, Any]] = {}
+    for row in rows:
+        if row.get("node") is not None and row.get("dp_record_epsilon") is not None:
+            last[row.get("partition_id", row["node"])] = row
+    return [
+        f"record-level DP-SGD, partition {p}: epsilon {r['dp_record_epsilon']:.3f} of {r['dp_record_target']:g} at "
+        f"delta {r['dp_record_delta']:g} after round {r['round']} (z {r['dp_record_noise_multiplier']:.3g})"
+        for p, r in sorted(last.items(), key=lambda item: str(item[0]))
+    ]

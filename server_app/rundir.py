@@ -8,7 +8,8 @@ Layout of ``<run-dir>``:
   (``CheckpointError``).
 - ``eval_loss.png`` — per-client eval loss per round; a strategy's own figures beside it (e.g. SimGrad's
   ``relevance/`` and ``gates.png``).
-- ``adapter/`` (or ``adapters/<name>/``) — PEFT adapter directories loadable by ``PeftModel.from_pretrained``.
+- ``adapter/`` (or ``adapters/<name>/``, one per name: ``adapter_dir``) — PEFT adapter directories loadable by
+  ``PeftModel.from_pretrained``.
 
 ``RunDirectory.check_writable`` proves that all this can be written before the first round (a read-only run dir or
 a full disk is found before any node is asked for anything, not after round 0's evaluation:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
@@ -36,6 +38,7 @@ from strategies.base import Arrays
 
 log = get_logger("tessera.server")
 
+_MAX_KEPT_NAME = 200  # an adapter directory's name at most (file systems allow 255 bytes)
 _PROBE_BYTES = 4096  # what check_writable writes, fsyncs and removes: one block
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -213,11 +216,30 @@ class RunDirectory:
 
     def adapter_dir(self, name: str) -> Path:
         """Where a final adapter is saved: ``adapter/`` (one), else ``adapters/<name>/`` with ``name`` (a model
-        family, from client-given model names) made one safe path component: it never leaves the run directory."""
+        family, from client-given model names) made one safe path component: it never leaves the run directory, and
+        two names never share it. A name that is not already such a component (a leading dot, ``/``, ``..``, over
+        ``_MAX_KEPT_NAME`` characters) is written ``<name made safe, cut>+<16 hex of its SHA-256>`` (``.smol`` ->
+        ``smol+<hash>``, apart from ``smol``); ``+`` is in no name kept as it is."""
         if not name:
             return self.path / "adapter"
         component = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).lstrip(".") or "_"
+        if component != name or len(name) > _MAX_KEPT_NAME:
+            component = f"{component[: _MAX_KEPT_NAME // 2]}+{hashlib.sha256(name.encode()).hexdigest()[:16]}"
         return self.path / "adapters" / component
+
+    def adapter_dirs(self, names: list[str]) -> dict[int, Path]:
+        """Where each of the final adapters ``names`` is saved (``adapter_dir``), by position; one whose directory an
+        earlier one already has (the same name twice, or a hash collision) is refused, logged naming both, and left
+        out: the first is kept, never overwritten, and the rest are saved."""
+        out: dict[int, Path] = {}
+        owner: dict[Path, str] = {}
+        for index, name in enumerate(names):
+            target = self.adapter_dir(name)
+            if target in owner:
+                log.error("adapter %r not saved: %s is already %r's, kept as it is", name, target, owner[target])
+                continue
+            owner[target], out[index] = name, target
+        return out
 
     def has_checkpoint(self) -> bool:
         return any((self.checkpoint_dir / name).exists() for name in ("state.json", "state.prev.json"))
@@ -249,8 +271,10 @@ class RunDirectory:
         return None
 
     # plots (common/plots.py: what every run has; a strategy draws its own) ----------------------------------
-    def plot_eval_loss(self) -> Path:
-        return plots.eval_loss(self.read_metrics(), self.path / "eval_loss.png")
+    def plot_eval_loss(self) -> Path | None:
+        """``eval_loss.png``, or None (logged) if it cannot be drawn: a figure never stops a run."""
+        out = self.path / "eval_loss.png"
+        return plots.drawn(out.name, lambda: plots.eval_loss(self.read_metrics(), out), None)
 
 
 def _contained_name(name: Any) -> str:

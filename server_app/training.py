@@ -14,7 +14,13 @@ from common.config import RunConfig
 from common.guard import TRAIN_GUARD_METRICS
 from common.logs import get_logger
 from common.records import num_bytes
-from common.reply_checks import MEMBER_LEDGER_METRICS, TRAIN_OPTIONAL, ReplyLimits, reply_metric_specs
+from common.reply_checks import (
+    MEMBER_LEDGER_METRICS,
+    RECORD_DP_METRICS,
+    TRAIN_OPTIONAL,
+    ReplyLimits,
+    reply_metric_specs,
+)
 from strategies import Strategy, strategy_spec
 from strategies.base import GroupResult
 
@@ -117,6 +123,7 @@ def train_rows(
                 "loss_tokens_per_second": metrics.get("loss_tokens_per_second"),  # tokens that carry a loss
                 **{k: metrics[k] for k in ("train_loss_tokens", "gpu_peak_allocated_mb") if k in metrics},
                 **{k: metrics[k] for k in MEMBER_LEDGER_METRICS if k in metrics},  # dp.*: the member's own ledger
+                **{k: metrics[k] for k in RECORD_DP_METRICS if k in metrics},  # DP-SGD: what the member has spent
                 "bytes_up": metrics.get("bytes_up", 0),
                 "bytes_down": metrics.get("bytes_down", 0),
                 "routing_bytes_saved": metrics.get("routing_bytes_saved", 0),

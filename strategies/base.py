@@ -11,13 +11,16 @@ docs/adding-a-strategy.md.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from common.plots import drawn
 from common.secure_bounds import MIN_SECURE_GROUP  # noqa: F401  (re-exported: groups are sized by it)
 
 if TYPE_CHECKING:
@@ -223,9 +226,28 @@ class Strategy(ABC):
         """Adapters to save at the end."""
 
     def plot_round(self, server_round: int, aggregate_row: dict[str, Any], run_dir: Path) -> list[Path]:
-        """Figures of one round, drawn from its aggregate metrics row (default: none)."""
+        """Figures of one round, drawn from its aggregate metrics row (default: none). A strategy's own never raises
+        (see ``__init_subclass__``)."""
         return []
 
     def plot_run(self, rows: list[dict[str, Any]], run_dir: Path) -> list[Path]:
-        """Figures of the whole run, drawn from every metrics row (default: none; the eval-loss plot is shared)."""
+        """Figures of the whole run, drawn from every metrics row (default: none; the eval-loss plot is shared). A
+        strategy's own never raises (see ``__init_subclass__``)."""
         return []
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A figure never stops a run: the ``plot_round`` / ``plot_run`` a strategy defines are wrapped so that
+        whatever they raise is logged, naming the strategy and the figures, and they return no path
+        (``common.plots.drawn``), wherever the ServerApp calls them."""
+        super().__init_subclass__(**kwargs)
+        for method in ("plot_round", "plot_run"):
+            if method in cls.__dict__:
+                setattr(cls, method, _never_raising(cls.__dict__[method], method))
+
+
+def _never_raising(draw: Callable[..., list[Path]], method: str) -> Callable[..., list[Path]]:
+    @functools.wraps(draw)
+    def guarded(self: Strategy, *args: Any, **kwargs: Any) -> list[Path]:
+        return drawn(f"{self.name} {method}", lambda: draw(self, *args, **kwargs), [])
+
+    return guarded

@@ -80,6 +80,10 @@ def run_plan(cfg: RunConfig) -> Plan:
     spec = strategy_spec(cfg.strategy)
     if cfg.dp.enabled and spec.dp_refusal:
         raise ValueError(f"dp.mode: strategy '{spec.name}' cannot be run with differential privacy: {spec.dp_refusal}")
+    if cfg.dp.record_enabled and spec.record_dp_refusal:
+        raise ValueError(
+            f"dp.record-epsilon: strategy '{spec.name}' cannot be run with record-level DP: {spec.record_dp_refusal}"
+        )
     adapter = spec.adapter_for(cfg)
     return Plan(adapter, adapter_kind(adapter).section, spec.sections(cfg))
 

@@ -33,6 +33,9 @@ class StrategySpec:
         dp_refusal: why a differentially private run (``dp.mode``) of it cannot be accounted: what it releases
             beside its group sums (None: nothing, so the sums' noise covers it). A new strategy is refused until it
             says.
+        record_dp_refusal: why record-level DP-SGD (``dp.record-*``, or a member's own ``dp-record-epsilon``) does not
+            cover what it sends: what it computes from a member's records outside the DP-SGD steps (None: nothing,
+            its update is post-processing of them). A new strategy is refused until it says.
     """
 
     name: str
@@ -43,6 +46,7 @@ class StrategySpec:
     adapter_from: Callable[[RunConfig], str] | None = None
     shared_sections: tuple[type[Section], ...] = ()
     dp_refusal: str | None = "it has not declared what it releases beside its group sums"
+    record_dp_refusal: str | None = "it has not declared what it computes from the records outside DP-SGD"
 
     def adapter_for(self, cfg: RunConfig) -> str:
         """The adapter kind a run of this strategy trains."""

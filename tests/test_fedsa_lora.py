@@ -241,7 +241,9 @@ def test_a_client_trains_a_and_b_sends_only_a_keeps_b_and_saves_its_whole_adapte
     metrics_reply = evaluate_handler(message, alice)
     assert len(metrics_reply.content.array_records) == 0
     saved = run_dir / "client-adapters" / "partition-0"
-    assert metrics_reply.content.config_records["metrics"]["adapter_dir"] == str(saved)
+    sent = dict(metrics_reply.content.config_records["metrics"])
+    assert "adapter_dir" not in sent and not any(str(tmp_path) in str(v) for v in sent.values())  # the node's paths
+    assert (saved / "adapter_config.json").exists()
     base = load_base_model(str(tiny_llama_dir), "fp32", "cpu")
     loaded = {k: v.numpy() for k, v in get_peft_model_state_dict(PeftModel.from_pretrained(base, str(saved))).items()}
     assert sorted(loaded) == sorted(whole)

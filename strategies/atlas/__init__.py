@@ -20,6 +20,7 @@ SPEC = StrategySpec(
     section=AtlasSection,
     shared_sections=(FingerprintSection,),
     dp_refusal="each client's fingerprint (the clusters are made from it) is sent in the clear, unaccounted",
+    record_dp_refusal="each client's fingerprint is made from raw gradients on its records, outside DP-SGD",
 )
 
 __all__ = ["SPEC", "Atlas", "AtlasClient", "AtlasSection"]

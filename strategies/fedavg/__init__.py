@@ -19,9 +19,15 @@ SPEC = StrategySpec(
     section=FedAvgSection,
     adapter_from=lambda cfg: cfg.section(FedAvgSection).adapter,
     dp_refusal=None,  # one sum per model family, nothing else
+    record_dp_refusal=None,  # the update is post-processing of the DP-SGD steps
 )
 SPEC_DUAL = StrategySpec(  # the shared path's sum; the personal LoRA never leaves the node
-    name=FedAvgDual.name, server=FedAvgDual, client=StrategyClient, adapter="lora-dual", dp_refusal=None
+    name=FedAvgDual.name,
+    server=FedAvgDual,
+    client=StrategyClient,
+    adapter="lora-dual",
+    dp_refusal=None,
+    record_dp_refusal=None,  # both paths train by DP-SGD: the shared update is post-processing of it
 )
 
 __all__ = ["SPEC", "SPEC_DUAL", "FedAvg", "FedAvgDual", "FedAvgSection", "family_key"]

@@ -9,7 +9,12 @@ from .client import OWN_B, FedSALoraClient
 from .server import FedSALora
 
 SPEC = StrategySpec(  # A's sum; B stays home
-    name=FedSALora.name, server=FedSALora, client=FedSALoraClient, adapter="lora", dp_refusal=None
+    name=FedSALora.name,
+    server=FedSALora,
+    client=FedSALoraClient,
+    adapter="lora",
+    dp_refusal=None,
+    record_dp_refusal=None,  # A's update is post-processing of the DP-SGD steps (B too, kept on the node)
 )
 
 __all__ = ["OWN_B", "SPEC", "FedSALora", "FedSALoraClient"]

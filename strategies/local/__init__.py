@@ -14,6 +14,7 @@ SPEC = StrategySpec(
     section=LocalSection,
     adapter_from=lambda cfg: cfg.section(LocalSection).adapter,
     dp_refusal="local-only training sends no adapter: there is nothing to privatise (run it without dp.mode)",
+    record_dp_refusal=None,  # it sends nothing; its DP-SGD adapter is the baseline a private federation is held to
 )
 
 __all__ = ["SPEC", "LocalClient", "LocalOnly", "LocalSection"]

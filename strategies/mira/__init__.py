@@ -19,6 +19,7 @@ SPEC = StrategySpec(
     section=MiraSection,
     shared_sections=(FingerprintSection,),
     dp_refusal="each client's fingerprint (the task graph is made from it) is sent in the clear, unaccounted",
+    record_dp_refusal="each client's fingerprint is made from raw gradients on its records, outside DP-SGD",
 )
 
 __all__ = ["SPEC", "Mira", "MiraClient", "MiraSection"]

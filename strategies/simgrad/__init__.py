@@ -19,6 +19,8 @@ SPEC = StrategySpec(
     adapter_from=lambda cfg: "pqlora-dual" if cfg.section(SimGradSection).local_path == "lora" else "pqlora",
     dp_refusal="each client's gradient signature and block salience (the routing is made from them) are sent in "
     "the clear, unaccounted",
+    record_dp_refusal="each client's gradient signature and block salience are made from raw gradients on its "
+    "records, outside DP-SGD",
 )
 
 __all__ = ["SPEC", "ClientReport", "SimGrad", "SimGradClient", "SimGradSection"]

@@ -22,6 +22,8 @@ SPEC = StrategySpec(
     adapter_from=lambda cfg: "experts-dual" if cfg.section(VemoeSection).personal_lora else "experts",
     dp_refusal="each client's payload is its experts weighted by its responsibilities (not an update of bounded "
     "norm), and its birth votes are counted in the clear",
+    record_dp_refusal="each client's responsibilities and birth votes are made from probe losses on its records, "
+    "outside DP-SGD",
 )
 
 __all__ = ["SPEC", "VEMoE", "VEMoEClient", "VemoeSection"]
