@@ -198,6 +198,7 @@ def test_fedavg_through_secagg_with_distributed_noise_counts_every_round_and_sto
     z = 1.02 * noise_for_target(8.0, 1e-5, 2)
     assert epsilon_spent(z, 3, 1e-5) > 8.0
     dp = f"dp.mode='distributed' dp.target-epsilon=8.0 dp.noise-multiplier={z!r} dp.clip-norm={clip_norm}"
+    dp += " dp.record-epsilon=8.0"  # and record-level DP-SGD on every member: both, through SecAgg+
     # what it checks needs training, not evaluation: no round 0, two held-out examples a round
     lean = "train.local-steps=4 eval.initial=false eval.max-examples=2 eval.generate-examples=1 eval.max-new-tokens=4"
     proc = flwr_run(flwr_home, f"{lean} num-server-rounds=3 secure=true min-train-replies=3 {dp} run-dir='{run_dir}'")
@@ -220,7 +221,42 @@ def test_fedavg_through_secagg_with_distributed_noise_counts_every_round_and_sto
         assert r["dp_member_epsilon"] == pytest.approx(epsilon_spent(z, r["round"], 1e-5)), r
     ledger = [json.loads(line) for line in (run_dir / "privacy-ledger.jsonl").read_text().splitlines()]
     assert [(e["round"], e["noise_multiplier"]) for e in ledger] == [(1, z), (2, z)]
+    # record-level: each member calibrated its own noise for the 3 planned rounds and has spent less than 8 so far
+    for r in trained:
+        assert r["dp_record_target"] == 8.0 and 0 < r["dp_record_epsilon"] < 8.0, r
+        assert r["train_loss"] is None and r["train_tokens"] is None, r  # computed from its records: kept home
     b = np.concatenate([v.ravel() for k, v in global_adapter(run_dir).items() if "lora_B" in k])
     # two rounds of a mean over 3 members whose shares sum to N(0, (z C)^2) per coordinate: (z C / 3)^2 a round
     expected = np.sqrt(2) * z * clip_norm / 3 * np.sqrt(b.size)
     assert 0.9 * expected < np.linalg.norm(b) < 1.1 * expected + 2 * clip_norm, (np.linalg.norm(b), expected)
+
+
+def test_record_level_dp_sgd_through_secagg_each_member_its_own_epsilon_and_one_stops_when_spent(flwr_home, tmp_path):
+    """fedavg-dual (a personal LoRA beside the averaged one) through SecAgg+ with record-level DP-SGD on 4 members,
+    each with its own target (simulation: dp.record-partition-epsilons) and z = 1.5 on 20 training records each
+    (q = 0.1): every train row carries its member's epsilon, which is the accountant's for the steps it took; the
+    member whose target (1.3) one round fits but two do not trains in round 1, then says its budget is spent and
+    stops, while the run, SecAgg+ included, goes on with the other three and still evaluates it."""
+    from common.record_privacy import Steps, record_epsilon
+
+    run_dir = tmp_path / "dpsgd"
+    lean = "train.local-steps=4 eval.initial=false eval.max-examples=2 eval.generate-examples=1 eval.max-new-tokens=4"
+    dp = "dp.record-partition-epsilons='8,3,8,1.3' dp.record-noise-multiplier=1.5 data.max-train-examples=20"
+    run = f"strategy='fedavg-dual' secure=true min-train-replies=3 num-server-rounds=2 run-dir='{run_dir}'"
+    proc = flwr_run(flwr_home, f"{lean} {dp} {run}", num_clients=4)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    rows = read_metrics(run_dir)
+    targets = {0: 8.0, 1: 3.0, 2: 8.0, 3: 1.3}
+    for server_round in (1, 2):
+        trained = {p: r for p, r in per_client(rows, server_round).items() if r.get("dp_record_epsilon") is not None}
+        expected = record_epsilon([Steps(0.1, 1.5, 4 * server_round)], 1e-5)
+        assert sorted(trained) == ([0, 1, 2, 3] if server_round == 1 else [0, 1, 2]), (server_round, trained)
+        for p, r in trained.items():
+            assert r["accepted"] and r["dp_record_target"] == targets[p], r
+            assert r["dp_record_epsilon"] == pytest.approx(expected, rel=1e-6) and expected <= targets[p], r
+            assert r["dp_record_noise_multiplier"] == 1.5 and r["dp_record_sampling_rate"] == 0.1, r
+    stopped = per_client(rows, 2)[3]
+    assert not stopped.get("accepted") and stopped["eval_loss"] is not None, stopped  # evaluated all the same
+    assert "record-level budget spent" in out, out[-3000:]
+    assert "record-level DP-SGD, partition 3: epsilon 1.217 of 1.3" in out, out[-3000:]
