@@ -23,7 +23,15 @@ from typing import Any
 from flwr.app import Context
 
 from common.config import RunConfig, TrainSection
-from common.record_privacy import RecordBudget, Steps, effective_budget, record_epsilon, record_noise_for, sampling_rate
+from common.record_privacy import (
+    MAX_RECORD_NOISE,
+    RecordBudget,
+    Steps,
+    effective_budget,
+    record_epsilon,
+    record_noise_for,
+    sampling_rate,
+)
 from common.reply_checks import RECORD_DP_METRICS
 
 from . import member_ledger
@@ -114,10 +122,17 @@ def plan_round(
     z = given_noise(context, cfg)
     if not z:
         rounds_left = max(1, cfg.num_server_rounds - server_round + 1)
+        steps = rounds_left * settings.local_steps
         try:
-            z = record_noise_for(budget.epsilon, budget.delta, q, rounds_left * settings.local_steps, tuple(spent))
+            z = record_noise_for(budget.epsilon, budget.delta, q, steps, tuple(spent))
         except ValueError as err:
-            raise BudgetSpent(f"record-level budget spent: {err}; this member trains no more") from None
+            if spent:
+                raise BudgetSpent(f"record-level budget spent: {err}; this member trains no more") from None
+            key = "node-config dp-record-epsilon" if budget.source == "node" else "dp.record-epsilon"
+            raise ValueError(  # nothing spent yet: the target itself is out of reach (its value stays on the node)
+                f"{key}: no noise multiplier up to {MAX_RECORD_NOISE:g} keeps this run's {steps} planned DP-SGD "
+                "steps within it; raise it, or plan fewer rounds or local steps"
+            ) from None
     after = record_epsilon([*spent, Steps(q, z, settings.local_steps)], budget.delta)
     if after > budget.epsilon * (1 + 1e-6):
         before = record_epsilon(spent, budget.delta)

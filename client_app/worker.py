@@ -41,9 +41,14 @@ from flwr.common.serde import context_from_proto, context_to_proto, message_from
 from flwr.proto.message_pb2 import Context as ProtoContext
 from flwr.proto.message_pb2 import Message as ProtoMessage
 
+from common.logs import get_logger
+
 APP_DIR = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 300.0
 PEER_TIMEOUT = 10.0  # seconds a connected peer has to authenticate and send its request
+
+
+log = get_logger("tessera.worker")
 
 
 class WorkerError(RuntimeError):
@@ -118,7 +123,8 @@ def ensure_worker(launcher_pid: int, idle_timeout: float) -> Path:
                 )
             if time.monotonic() > deadline:
                 proc.kill()
-                raise WorkerError(f"the model worker did not listen on {sock} within {START_TIMEOUT:.0f}s")
+                log.error("model worker: no socket at %s", sock)  # the node's path stays in its log
+                raise WorkerError(f"the model worker did not listen on its socket within {START_TIMEOUT:.0f}s")
             time.sleep(0.2)
         return sock
 
@@ -132,9 +138,10 @@ def _private_dir(directory: Path) -> None:
         directory.chmod(0o700)
         info = directory.lstat()
     if info.st_uid != os.getuid() or info.st_mode & 0o077 or directory.is_symlink():
+        log.error("model worker: %s (mode %o, uid %d) is not private", directory, info.st_mode & 0o777, info.st_uid)
         raise WorkerError(
-            f"{directory} is not a private directory of this user (mode {oct(info.st_mode & 0o777)}, "
-            f"uid {info.st_uid}); remove it or set TESSERA_WORKER_DIR"
+            "the model worker's directory is not a private directory of this user (the node's log names it); "
+            "remove it or set TESSERA_WORKER_DIR"
         )
 
 
@@ -167,19 +174,19 @@ def call(sock: Path, kind: str, msg: Message, context: Context, spawn_seconds: f
     try:
         conn = _connect(sock, timeout=10)
     except (OSError, EOFError, AuthenticationError) as err:
-        raise WorkerUnavailable(f"no model worker at {sock}: {err!r}") from err
+        raise WorkerUnavailable(f"no model worker: {type(err).__name__}") from err
     with conn:
         try:
             conn.send(request)
             accepted = conn.recv()
         except (OSError, EOFError) as err:  # it exited (idle) before taking the message: nothing ran
-            raise WorkerUnavailable(f"the model worker at {sock} exited before taking '{kind}': {err!r}") from err
+            raise WorkerUnavailable(f"the model worker exited before taking '{kind}': {type(err).__name__}") from err
         if accepted != ("accepted",):
-            raise WorkerError(f"the model worker at {sock} answered {accepted!r} instead of accepting '{kind}'")
+            raise WorkerError(f"the model worker answered {str(accepted)[:40]!r} instead of accepting '{kind}'")
         try:
             answer = conn.recv()
         except (OSError, EOFError) as err:
-            raise WorkerError(f"the node's model worker ({sock}) went away during '{kind}': {err!r}") from err
+            raise WorkerError(f"the node's model worker went away during '{kind}': {type(err).__name__}") from err
     if answer[0] == "error":
         raise WorkerError(answer[1])
     reply, worker_context = _decode(answer[1], answer[2])
@@ -204,12 +211,9 @@ def _decode(msg_bytes: bytes, ctx_bytes: bytes) -> tuple[Message, Context]:
 
 # ---------------------------------------------------------------------------------------------------- worker side
 def serve(sock: Path, watch_pid: int, idle_timeout: float) -> None:
-    from common.logs import get_logger
-
     from . import runtime
     from .handlers import handle
 
-    log = get_logger("tessera.worker")
     activity = {"last": time.monotonic(), "busy": False}
     lock = threading.Lock()  # the idle exit and the start of a message exclude each other
     _exit_when(lambda: not _alive(watch_pid), f"launcher process {watch_pid} is gone", sock, remove_dir=True)

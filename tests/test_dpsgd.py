@@ -234,3 +234,14 @@ def test_a_strategy_that_computes_from_records_outside_dp_sgd_is_refused_naming_
 def test_strategies_whose_updates_are_post_processing_run_with_record_level_dp(strategy):
     cfg = load_run_config({"strategy": strategy, "dp.record-epsilon": 8.0, "dp.record-partition-epsilons": "1,3"})
     assert record_dp.refusal(cfg) is None and cfg.dp.record_default(1) == 3.0 and cfg.dp.record_default(5) == 8.0
+
+
+def test_a_target_no_noise_can_meet_is_refused_naming_the_key_not_the_value(tmp_path):
+    cfg = load_run_config({"num-server-rounds": 4})
+    context = node(tmp_path, **{"dp-record-epsilon": 0.001})
+    budget = record_dp.node_budget(context, cfg)
+    with pytest.raises(ValueError) as err:
+        record_dp.plan_round(context, cfg, budget, TrainSection(local_steps=20, batch_size=4), 10, 1)
+    assert str(err.value).startswith("node-config dp-record-epsilon: no noise multiplier") and "0.001" not in str(
+        err.value
+    )

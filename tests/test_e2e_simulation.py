@@ -198,7 +198,7 @@ def test_fedavg_through_secagg_with_distributed_noise_counts_every_round_and_sto
     z = 1.02 * noise_for_target(8.0, 1e-5, 2)
     assert epsilon_spent(z, 3, 1e-5) > 8.0
     dp = f"dp.mode='distributed' dp.target-epsilon=8.0 dp.noise-multiplier={z!r} dp.clip-norm={clip_norm}"
-    dp += " dp.record-epsilon=8.0"  # and record-level DP-SGD on every member: both, through SecAgg+
+    dp += " dp.record-partition-epsilons='8,6,7'"  # and record-level DP-SGD, each member its own target: both
     # what it checks needs training, not evaluation: no round 0, two held-out examples a round
     lean = "train.local-steps=4 eval.initial=false eval.max-examples=2 eval.generate-examples=1 eval.max-new-tokens=4"
     proc = flwr_run(flwr_home, f"{lean} num-server-rounds=3 secure=true min-train-replies=3 {dp} run-dir='{run_dir}'")
@@ -221,9 +221,10 @@ def test_fedavg_through_secagg_with_distributed_noise_counts_every_round_and_sto
         assert r["dp_member_epsilon"] == pytest.approx(epsilon_spent(z, r["round"], 1e-5)), r
     ledger = [json.loads(line) for line in (run_dir / "privacy-ledger.jsonl").read_text().splitlines()]
     assert [(e["round"], e["noise_multiplier"]) for e in ledger] == [(1, z), (2, z)]
-    # record-level: each member calibrated its own noise for the 3 planned rounds and has spent less than 8 so far
+    # record-level: each member calibrated its own noise for the 3 planned rounds and has spent less than its target
     for r in trained:
-        assert r["dp_record_target"] == 8.0 and 0 < r["dp_record_epsilon"] < 8.0, r
+        target = {0: 8.0, 1: 6.0, 2: 7.0}[r["partition_id"]]
+        assert r["dp_record_target"] == target and 0 < r["dp_record_epsilon"] < target, r
         assert r["train_loss"] is None and r["train_tokens"] is None, r  # computed from its records: kept home
     b = np.concatenate([v.ravel() for k, v in global_adapter(run_dir).items() if "lora_B" in k])
     # two rounds of a mean over 3 members whose shares sum to N(0, (z C)^2) per coordinate: (z C / 3)^2 a round

@@ -176,8 +176,17 @@ def test_a_worker_directory_that_is_not_private_is_refused(monkeypatch, tmp_path
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (base / f"tessera-workers-{subprocess.os.getuid()}").symlink_to(elsewhere)  # planted: points somewhere else
-    with pytest.raises(worker.WorkerError, match="not a private directory"):
+    with pytest.raises(worker.WorkerError, match="not a private directory") as err:
         worker.ensure_worker(12345, idle_timeout=60)
+    assert str(base) not in str(err.value)  # the error reaches the server: the node's paths stay in its log
+
+
+def test_an_unreachable_worker_is_named_without_its_socket_path(tmp_path):
+    sock = tmp_path / "private-name" / "w.sock"
+    msg = Message(RecordDict(), dst_node_id=1, message_type=MessageType.QUERY)
+    with pytest.raises(worker.WorkerUnavailable) as err:
+        worker.call(sock, "query", msg, Context(1, 1, {}, RecordDict(), {}), 0.0)
+    assert "private-name" not in str(err.value) and str(tmp_path) not in str(err.value), str(err.value)
 
 
 def test_worker_mode_is_validated_and_auto_means_deployment_only():
