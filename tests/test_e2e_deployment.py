@@ -79,22 +79,22 @@ def state_digests(fed) -> dict[int, str]:
 
 
 def test_a_members_record_level_budget_in_its_node_config_alone_governs_its_training(tmp_path):
-    """Three SuperNodes, one of which sets its own record-level budget in its node config (the run config asks for no
+    """Two SuperNodes, one of which sets its own record-level budget in its node config (the run config asks for no
     DP): that member trains by DP-SGD within its epsilon, its train row says what it spent, and its steps are in its
-    own ledger on its node; the other two train as usual. Runs before the module's federation starts (its own)."""
+    own ledger on its node; the other trains as usual. Runs before the module's federation starts (its own)."""
     work = tmp_path / "budget"
     fed = LoopbackFederation(
         work,
-        num_nodes=3,
+        num_nodes=2,
         node_config=f"state-dir='{work / 'client-state'}'",
-        node_configs={2: "dp-record-epsilon=4.0 dp-record-delta=1e-6"},
+        node_configs={1: "dp-record-epsilon=4.0 dp-record-delta=1e-6"},
     )
     try:
         fed.up()
-        wait_for(lambda: fed.online_nodes() == 3, "three SuperNodes online", poll=3, logs=work)
+        wait_for(lambda: fed.online_nodes() == 2, "two SuperNodes online", poll=3, logs=work)
         run_dir = work / "run"
         done = fed.run(
-            "strategy='fedavg' num-server-rounds=1 min-train-replies=3 train.local-steps=4 eval.initial=false "
+            "strategy='fedavg' num-server-rounds=1 min-train-replies=2 train.local-steps=4 eval.initial=false "
             f"eval.max-examples=2 eval.generate-examples=1 eval.max-new-tokens=4 run-dir='{run_dir}'",
             timeout=STEP_TIMEOUT,
         )
@@ -103,13 +103,13 @@ def test_a_members_record_level_budget_in_its_node_config_alone_governs_its_trai
     finally:
         fed.close()
     trained = {r["partition_id"]: r for r in read_rows(run_dir) if r["node"] is not None and r["round"] == 1}
-    assert sorted(trained) == [0, 1, 2] and all(r["accepted"] for r in trained.values()), trained
-    member = trained[2]
+    assert sorted(trained) == [0, 1] and all(r["accepted"] for r in trained.values()), trained
+    member = trained[1]
     assert member["dp_record_target"] == 4.0 and member["dp_record_delta"] == 1e-6, member
     assert 0 < member["dp_record_epsilon"] <= 4.0 and member["train_loss"] is None, member
-    assert all("dp_record_epsilon" not in trained[p] and trained[p]["train_loss"] for p in (0, 1)), trained
-    assert "record-level DP-SGD, partition 2: epsilon" in out, out[-3000:]
-    ledger = [json.loads(line) for line in (work / "client-state" / "privacy-ledger" / "partition-2.jsonl").open()]
+    assert "dp_record_epsilon" not in trained[0] and trained[0]["train_loss"], trained
+    assert "record-level DP-SGD, partition 1: epsilon" in out, out[-3000:]
+    ledger = [json.loads(line) for line in (work / "client-state" / "privacy-ledger" / "partition-1.jsonl").open()]
     assert [(e["kind"], e["round"], e["steps"]) for e in ledger if e["kind"] == "record"] == [("record", 1, 4)]
 
 
