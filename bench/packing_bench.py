@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from common.config import DataSection, TrainSection
     from common.data import client_data
     from common.model import load_base_model, load_tokenizer
-    from common.training import _answer_tokens, accumulate_batch, encode
+    from common.training import accumulate_batch, answer_token_count, encode
 
     tokenizer = load_tokenizer(args.model)
     model = attach_lora(load_base_model(args.model, "nf4", "auto", cpu_packed_inference=False), LoraSection())
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         diffs, computed, useful = [], {m: 0 for m in modes}, 0
         for step in range(args.steps):
             batch = encoded[step * size : (step + 1) * size]
-            useful += sum(_answer_tokens(e) for e in batch)
+            useful += sum(answer_token_count(e) for e in batch)
             losses = {}
             for mode in modes:
                 layout, logits = mode.split("+")

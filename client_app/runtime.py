@@ -28,7 +28,7 @@ from common.records import IDENTITY_KEYS
 from common.training import token_counts
 from strategies import StrategyClient, load_run_config, strategy_spec
 
-from .state_store import _in_simulation
+from .state_store import in_simulation
 
 log = get_logger("tessera.client")
 
@@ -213,7 +213,7 @@ def client_data_for(
     (an ``OSError`` names its path) only its kind. Outside simulation the run config may not name files on the node
     (``data.partition-sources``, a path in ``data.source``) unless node-config ``allow-run-config-paths`` is true."""
     node_data = {k: v for k, v in context.node_config.items() if str(k).startswith("data-") or k == ALLOW_PATHS_KEY}
-    simulation = _in_simulation()
+    simulation = in_simulation()
     key = (
         cfg.data.model_dump_json(),
         tuple(sorted(node_data.items())),

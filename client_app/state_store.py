@@ -33,7 +33,7 @@ _WARNED: set[Path] = set()
 log = get_logger("tessera.client")
 
 
-def _in_simulation() -> bool:
+def in_simulation() -> bool:
     ray = sys.modules.get("ray")  # Flower's simulation runs ClientApps in Ray actors
     return ray is not None and ray.is_initialized()
 
@@ -43,7 +43,7 @@ def state_root(context: Context) -> Path | None:
     persistence is off (simulation without ``state-dir``)."""
     configured = str(context.node_config.get("state-dir", ""))
     if not configured:
-        if _in_simulation():
+        if in_simulation():
             return None
         configured = str(cache_dir() / "client-state")
     return Path(configured).expanduser()

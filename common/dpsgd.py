@@ -24,7 +24,7 @@ import torch
 from .config import TrainSection
 from .data import Example
 from .logs import get_logger
-from .training import Encoded, _answer_tokens, collate, encode, mean_answer_loss, to_device, trainable_and_optimizer
+from .training import Encoded, answer_token_count, collate, encode, mean_answer_loss, to_device, trainable_and_optimizer
 
 log = get_logger("tessera.client")
 
@@ -43,7 +43,7 @@ def clipped_gradient_sum(
     total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     losses, norms = [], []
     for example in batch:
-        if _answer_tokens(example) == 0:
+        if answer_token_count(example) == 0:
             continue  # it has no loss, so no gradient: it adds nothing (as it would to an honest sum)
         loss = mean_answer_loss(model, to_device(collate([example], pad_id), device), cfg)
         raw = torch.autograd.grad(loss, params, allow_unused=True)
@@ -97,7 +97,7 @@ def private_train_round(
         losses.extend(step_losses)
         sampled += len(batch)
         tokens += sum(len(e.input_ids) for e in batch)
-        loss_tokens += sum(_answer_tokens(e) for e in batch)
+        loss_tokens += sum(answer_token_count(e) for e in batch)
         clipped += sum(n > clip for n in norms)
         if (step + 1) % max(1, cfg.local_steps // 4) == 0 or step + 1 == cfg.local_steps:
             log.info("  DP-SGD step %d/%d: %d sampled, %d clipped", step + 1, cfg.local_steps, len(batch), clipped)

@@ -24,8 +24,9 @@ from __future__ import annotations
 import math
 import secrets
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -81,12 +82,21 @@ def noise_for_target(target_epsilon: float, delta: float, rounds: int) -> float:
             f"no noise multiplier up to {MAX_NOISE_MULTIPLIER:g} keeps {rounds} rounds within epsilon "
             f"{target_epsilon:g} at delta {delta:g}"
         )
+    return least_noise(event, target_epsilon, delta, lowest=1e-3)
+
+
+def least_noise(event_of: Callable[[float], Any], target_epsilon: float, delta: float, lowest: float) -> float:
+    """The least noise multiplier z (searched from ``lowest`` up, to a relative 1e-4) whose ``event_of(z)`` (a
+    dp-accounting ``DpEvent``) spends at most ``target_epsilon`` at ``delta``: dp-accounting's calibration with its
+    Renyi DP accountant, which returns a z that meets the target. The caller checks first that some z can."""
+    import dp_accounting
+
     z = dp_accounting.calibrate_dp_mechanism(
         dp_accounting.rdp.RdpAccountant,
-        event,
+        event_of,
         target_epsilon,
         delta,
-        dp_accounting.LowerEndpointAndGuess(1e-3, 1.0),
+        dp_accounting.LowerEndpointAndGuess(lowest, 1.0),
         tol=1e-4,
     )
     return float(z)

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from common.privacy import least_noise
+
 # the most noise a member may be asked to add: beyond it the gradient is noise for every model we train
 MAX_RECORD_NOISE = 1e3
 
@@ -71,30 +73,13 @@ def record_noise_for(target_epsilon: float, delta: float, q: float, steps: int, 
     """The least noise multiplier z with which ``steps`` more steps at rate ``q``, after ``spent``, stay within
     ``target_epsilon`` at ``delta`` (dp-accounting's calibration); ValueError naming the budget when even
     ``MAX_RECORD_NOISE`` cannot."""
-    import dp_accounting
-
     if record_epsilon([*spent, Steps(q, MAX_RECORD_NOISE, steps)], delta) > target_epsilon:
         raise ValueError(
             f"no noise multiplier up to {MAX_RECORD_NOISE:g} keeps {steps} DP-SGD step(s) at sampling rate {q:.4g} "
             f"within epsilon {target_epsilon:g} at delta {delta:g}"
             + (f" after the {sum(s.count for s in spent)} step(s) already spent" if spent else "")
         )
-
-    def event(z: float):
-        return _event([*spent, Steps(q, z, steps)])
-
-    z = dp_accounting.calibrate_dp_mechanism(
-        dp_accounting.rdp.RdpAccountant,
-        event,
-        target_epsilon,
-        delta,
-        dp_accounting.LowerEndpointAndGuess(1e-2, 1.0),
-        tol=1e-4,
-    )
-    # the calibration's bracket may end just below the target's z: step up until the target holds
-    while record_epsilon([*spent, Steps(q, float(z), steps)], delta) > target_epsilon:
-        z *= 1.0 + 1e-4
-    return float(z)
+    return least_noise(lambda z: _event([*spent, Steps(q, z, steps)]), target_epsilon, delta, lowest=1e-2)
 
 
 def sampling_rate(expected_batch: int, records: int) -> float:

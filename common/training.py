@@ -82,7 +82,7 @@ def encode(tokenizer, example: Example, max_len: int) -> Encoded:
 
 def answer_tokens(tokenizer, examples: list[Example], max_len: int) -> int:
     """The answer tokens a batch's mean loss (``batch_loss``) averages over: mean x this is the summed loss."""
-    return sum(_answer_tokens(encode(tokenizer, e, max_len)) for e in examples)
+    return sum(answer_token_count(encode(tokenizer, e, max_len)) for e in examples)
 
 
 def encoded_length(tokenizer, example: Example) -> int:
@@ -186,7 +186,8 @@ def round_learning_rate(cfg: TrainSection, server_round: int, num_rounds: int) -
     return cfg.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(max(progress, 0.0), 1.0))))
 
 
-def _answer_tokens(example: Encoded) -> int:
+def answer_token_count(example: Encoded) -> int:
+    """The tokens of ``example`` that carry a loss (its answers)."""
     return sum(label != IGNORE for label in example.labels[1:])  # what the shifted causal-LM loss averages over
 
 
@@ -205,11 +206,11 @@ def accumulate_batch(model, batch: list[Encoded], pad_id: int, cfg: TrainSection
     every slice's logits identical), and peak activation memory is a slice's.
     """
     micro = cfg.micro_batch_size or len(batch)
-    total = max(1, sum(_answer_tokens(e) for e in batch))
+    total = max(1, sum(answer_token_count(e) for e in batch))
     loss_sum = 0.0
     for start in range(0, len(batch), micro):
         piece = batch[start : start + micro]
-        share = sum(_answer_tokens(e) for e in piece) / total
+        share = sum(answer_token_count(e) for e in piece) / total
         if share == 0:
             continue
         inputs = to_device(pack(piece) if cfg.packing else collate(piece, pad_id), device)
@@ -269,7 +270,7 @@ def train_round(
             del order[: cfg.batch_size]
             step_loss += accumulate_batch(model, chosen, tokenizer.pad_token_id, cfg, device)
             tokens += sum(len(e.input_ids) for e in chosen)
-            loss_tokens += sum(_answer_tokens(e) for e in chosen)
+            loss_tokens += sum(answer_token_count(e) for e in chosen)
             seen += len(chosen)
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()

@@ -54,9 +54,7 @@ class Federation:
         offenders: who is behind refused secure aggregates; norm_medians: each round's median accepted update norm
             (what ``robust.auto-norm-multiple`` chooses the bound from).
         ledger: the run directory's privacy ledger (``server_app.ledger``): every round's release, recorded before
-            the round's first instruction goes out.
-        dp_noise: the noise multiplier of every release of this run so far, redone rounds included (the ledger's,
-            what the accountant composes; 0 for a round without ``dp.*``).
+            the round's first instruction goes out; ``dp_noise`` reads it.
     """
 
     cfg: RunConfig
@@ -69,7 +67,12 @@ class Federation:
     offenders: Offenders
     ledger: PrivacyLedger
     norm_medians: list[float] = field(default_factory=list)
-    dp_noise: list[float] = field(default_factory=list)
+
+    @property
+    def dp_noise(self) -> list[float]:
+        """The noise multiplier of every release of this run so far, redone rounds included (what the accountant
+        composes; 0 for a round without ``dp.*``)."""
+        return self.ledger.noise_multipliers()
 
 
 @app.main()
@@ -159,7 +162,6 @@ def resume_federation(fed: Federation, checkpoint: tuple[dict, dict[str, Arrays]
     fed.norm_medians = [r["update_norm_median"] for r in fed.run.read_metrics() if _median_row(r)]
     # every round the checkpoint says was done is a release: the ledger holds it (or is made to), never fewer
     fed.ledger.unrecorded(int(meta["round"]), [float(z) for z in meta.get("dp-noise", [])])
-    fed.dp_noise = fed.ledger.noise_multipliers()
     log.info("resuming after round %d from %s", meta["round"], fed.run.checkpoint_dir)
     return meta["round"] + 1
 
@@ -189,7 +191,6 @@ def run_round(grid: Grid, context: Context, fed: Federation, server_round: int) 
     sampled = [n for n in sampled if n not in fed.offenders.excluded]  # repeat offenders train no more
     # write-ahead: the round's release is on disk before its first report or train instruction goes out
     fed.ledger.record(server_round, privacy.noise_multiplier(cfg) if cfg.dp.enabled else 0.0, **privacy.about(cfg))
-    fed.dp_noise = fed.ledger.noise_multipliers()
     asked = strategy.report_nodes(server_round, sampled)
     report_rows = _collect_reports(grid, cfg, strategy, server_round, asked) if asked else {}
     bound = chosen_max_update_norm(fed.norm_medians, cfg.robust.auto_norm_multiple, cfg.robust.max_update_norm)
@@ -257,11 +258,12 @@ def finish_federation(fed: Federation) -> None:
         )
         log.info("%s", line)
         print(f"[tessera] {line}", flush=True)
-    for line in privacy.record_lines(fed.run.read_metrics()):  # record-level DP-SGD: each member's own epsilon
+    rows = fed.run.read_metrics()
+    for line in privacy.record_lines(rows):  # record-level DP-SGD: each member's own epsilon
         log.info("%s", line)
         print(f"[tessera] {line}", flush=True)
     plot = fed.run.plot_eval_loss() or "not drawn (see the log)"  # a figure never stops a run (common.plots.drawn)
-    fed.strategy.plot_run(fed.run.read_metrics(), fed.run.path)  # logged, never raised (Strategy.__init_subclass__)
+    fed.strategy.plot_run(rows, fed.run.path)  # logged, never raised (Strategy.__init_subclass__)
     log.info(
         "done. metrics: %s | plot: %s | adapter: %s", fed.run.metrics_path, plot, ", ".join(str(a) for a in adapters)
     )

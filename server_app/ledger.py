@@ -32,11 +32,13 @@ class LedgerError(OSError):
 
 
 class PrivacyLedger:
-    """The append-only ledger of one run directory (see the module docstring); ``run`` names this run's lines."""
+    """The append-only ledger of one run directory (see the module docstring); ``run`` names this run's lines, read
+    once here and kept as they are appended (this process is the run's only writer)."""
 
     def __init__(self, run_dir: Path, run: str | None = None) -> None:
         self.path = Path(run_dir) / LEDGER_NAME
         self.run = run or f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self._noise = [float(e["noise_multiplier"]) for e in self.entries() if e.get("run") == self.run]
 
     def entries(self) -> list[dict[str, Any]]:
         """Every whole line of the ledger (a torn last line, from a crash while appending, is not a release that
@@ -50,7 +52,7 @@ class PrivacyLedger:
 
     def noise_multipliers(self) -> list[float]:
         """This run's noise multiplier per release, in order (what the accountant composes)."""
-        return [float(e["noise_multiplier"]) for e in self.entries() if e.get("run") == self.run]
+        return list(self._noise)
 
     def record(self, server_round: int, noise_multiplier: float, **about: Any) -> None:
         """Append round ``server_round``'s release and fsync it (and the directory, for the file's first line);
@@ -65,12 +67,13 @@ class PrivacyLedger:
             )
             failed.errno = err.errno
             raise failed from err
+        self._noise.append(float(noise_multiplier))
 
     def unrecorded(self, rounds_done: int, checkpoint_noise: list[float]) -> None:
         """On resume: make the ledger hold at least the ``rounds_done`` releases the checkpoint says happened. Rounds
         it lacks (a checkpoint written before the ledger existed) are recorded with the checkpoint's noise list when
         that names every round, else with 0 (released without noise: epsilon infinity), never as nothing."""
-        held = len(self.noise_multipliers())
+        held = len(self._noise)
         if held >= rounds_done:
             return
         known = checkpoint_noise if len(checkpoint_noise) == rounds_done else []

@@ -173,7 +173,7 @@ def test_run_config_paths_are_read_in_simulation_or_where_the_node_opts_in(tmp_p
         assert client_data(context(flat, {"allow-run-config-paths": value})).counts["data-examples"] == 40
     with pytest.raises(DataError, match="allow-run-config-paths: expected true or false"):
         client_data(context(flat, {"allow-run-config-paths": "maybe"}))
-    monkeypatch.setattr(runtime, "_in_simulation", lambda: True)
+    monkeypatch.setattr(runtime, "in_simulation", lambda: True)
     data = client_data(context(flat))
     assert data.own and all("member 0" in e.prompt for e in data.train)
     assert run_config_paths_allowed({}, simulation=True) and not run_config_paths_allowed({}, simulation=False)
