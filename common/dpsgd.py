@@ -8,8 +8,8 @@ mean loss over its answer tokens; each clipped to L2 norm ``C``; N(0, (z C)^2) a
 the sum divided by the EXPECTED batch (``q`` x records, a constant: a data-dependent count would be a release of its
 own); then the optimiser steps on it (AdamW on a privatised gradient is post-processing).
 
-So one record moves a step's summed gradient by at most ``C`` (``clipped_gradient_sum``), whatever adapter kind the
-trainable parameters belong to: LoRA, the personal LoRA of the dual paths, PQ-LoRA, experts, SubLoRA's subspace.
+So one record moves a step's summed gradient by at most ``C`` (``clipped_gradient_sum``). The loop knows no adapter
+kind, only the parameters that require a gradient (tested with LoRA and the dual paths' two LoRAs).
 """
 
 from __future__ import annotations
