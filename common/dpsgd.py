@@ -9,7 +9,7 @@ the sum divided by the EXPECTED batch (``q`` x records, a constant: a data-depen
 own); then the optimiser steps on it (AdamW on a privatised gradient is post-processing).
 
 So one record moves a step's summed gradient by at most ``C`` (``clipped_gradient_sum``). The loop knows no adapter
-kind, only the parameters that require a gradient (tested with LoRA and the dual paths' two LoRAs).
+kind, only the parameters that require a gradient (tested with every adapter kind: ``tests/test_dpsgd.py``).
 """
 
 from __future__ import annotations

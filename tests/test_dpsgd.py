@@ -13,7 +13,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 from client_app import member_ledger, record_dp
-from common.adapters import attach_lora
+from common.adapters import ADAPTER_KINDS, attach_lora
 from common.adapters.lora import LoraSection
 from common.config import TrainSection
 from common.data import Example
@@ -64,6 +64,43 @@ def test_one_example_moves_the_summed_clipped_gradient_by_at_most_c(tiny, settin
     first = clipped_gradient_sum(model, params, batch[:1], tokenizer.pad_token_id, cfg, 1e9)[0]
     torch.testing.assert_close(_flat(first), _flat(grads), rtol=1e-5, atol=1e-7)
     assert losses[0] == pytest.approx(float(alone))
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTER_KINDS))
+def test_every_adapter_kind_that_trains_goes_through_the_per_example_path(tiny_llama_dir, name):
+    """Every adapter kind as a client trains it (PQ-LoRA, the experts with their routers, SubLoRA's alpha, the dual
+    paths' personal LoRA): one example moves the clipped sum by exactly C, an example's gradient is its own, and a
+    step changes nothing but gradients (no buffer or statistic of the model learns from the records outside them)."""
+    from flwr.app import RecordDict
+    from test_adapters_start_as_identity import TINY, route
+
+    from common.adapters import ClientState, adapter_kind
+
+    kind = adapter_kind(name)
+    adapter = kind(load_base_model(str(tiny_llama_dir), quantization="fp32", device="cpu"), load_run_config(TINY))
+    adapter.begin(ClientState(RecordDict(), kind.state_keys), adapter.initial)
+    route(adapter)
+    adapter.prepare_training()
+    model = adapter.model
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    cfg = TrainSection(batch_size=4, micro_batch_size=2)
+    params = _params(model)
+    assert params, name
+    frozen = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    batch = [encode(tokenizer, e, 64) for e in EXAMPLES[:5]]
+    clip = 1e-6
+    summed, _, norms = clipped_gradient_sum(model, params, batch, tokenizer.pad_token_id, cfg, clip)
+    assert min(norms) > clip, (name, norms)  # every trainable part has a gradient to clip
+    for left_out in (0, 4):
+        without = clipped_gradient_sum(
+            model, params, batch[:left_out] + batch[left_out + 1 :], tokenizer.pad_token_id, cfg, clip
+        )[0]
+        assert float(torch.linalg.vector_norm(_flat(summed) - _flat(without))) == pytest.approx(clip, rel=1e-3)
+    alone = mean_answer_loss(model, to_device(_collated(batch[2], tokenizer), "cpu"), cfg)
+    own = clipped_gradient_sum(model, params, batch[2:3], tokenizer.pad_token_id, cfg, 1e9)[0]
+    torch.testing.assert_close(_flat(own), _flat(torch.autograd.grad(alone, params, allow_unused=False)))
+    after = model.state_dict()
+    assert all(torch.equal(frozen[n], after[n]) for n in frozen), name
 
 
 def _collated(example, tokenizer):

@@ -100,3 +100,44 @@ def test_local_only_sublora_keeps_each_clients_own_alpha(tiny_llama_dir, tmp_pat
     saved = [np.load(run_dir / "client-adapters" / f"partition-{r['partition_id']}" / "subspace.npz") for r in last]
     assert all(np.any(s["alpha"]) for s in saved)
     assert not np.allclose(saved[0]["alpha"], saved[1]["alpha"])  # each client trained its own
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"secure": True},  # FedAvg of alpha, through SecAgg+
+        {"strategy": "local", "local.adapter": "pqlora", "pqlora.blocks": 2},  # PQ-LoRA, trained alone
+    ],
+    ids=["fedavg-sublora-secure", "local-pqlora"],
+)
+def test_record_level_dp_sgd_trains_sublora_and_pqlora_and_every_row_says_what_it_spent(
+    tiny_llama_dir, tmp_path, extra
+):
+    """Record-level DP-SGD on the adapter kinds beside LoRA, in a whole federation: each member calibrates its own
+    noise for the planned steps, trains by it (its adapter moves), states what it spent in every train row and keeps
+    what it computed from its records outside the noised steps (training loss; SubLoRA's bound) on its node."""
+    run_dir = tmp_path / "run"
+    cfg = config(tiny_llama_dir, run_dir, **{"dp.record-epsilon": 8.0, "data.max-train-examples": 40, **extra})
+    if cfg["strategy"] == "local":
+        del cfg["fedavg.adapter"]
+    run_in_child("test_toy_strategy", "run_in_process", cfg, 3)
+    rows = _rows(run_dir)
+    for server_round in (1, 2):
+        trained = [r for r in rows if r["round"] == server_round and r["node"] is not None]
+        assert len(trained) == 3, trained
+        for r in trained:
+            assert 0 < r["dp_record_epsilon"] <= 8.0 and r["dp_record_noise_multiplier"] > 0, r
+            assert r["dp_record_sampling_rate"] == pytest.approx(2 / 40), r
+            assert r["train_loss"] is None, r  # computed from the sampled records: kept on the node
+            assert not any(k.startswith("bound_") for k in r), r  # the bound reads the training records
+    if cfg["strategy"] == "fedavg":
+        assert np.any(_global_alpha(run_dir))  # noised, averaged, applied
+    else:
+        from safetensors.numpy import load_file
+
+        saved = [load_file(d / "pqlora_model.safetensors") for d in sorted((run_dir / "client-adapters").iterdir())]
+        assert len(saved) == 3
+        local_p = [np.concatenate([v.ravel() for k, v in sorted(s.items()) if k.endswith(".P_L")]) for s in saved]
+        assert all(np.any(p) for p in local_p)  # each member's own PQ-LoRA moved from its zero start ...
+        assert not np.allclose(local_p[0], local_p[1])  # ... by its own DP-SGD steps
