@@ -183,8 +183,8 @@ PRESETS: dict[str, Preset] = {
             "cross-silo",
             "4 organisations, two per task (BoolQ, ASDiv), 1,000-1,400 training records each (every record the banks "
             "hold; 10 % held out, 3 % validation): record-level DP-SGD's setting (dp.record-epsilon), where the noise "
-            "on a step falls as 1 / the expected batch. Expected batches of 16, 4 steps a round; the loss on 64 held-out "
-            "examples at round 0 and the end, 2 of them generated.",
+            "on a step falls as 1 / the expected batch. Expected batches of 16, 4 steps a round; the loss on 64 "
+            "held-out examples at round 0 and the end, 2 of them generated.",
             clients=4,
             rounds=2,
             overrides={

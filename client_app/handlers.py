@@ -48,6 +48,7 @@ from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, WE
 from strategies.client import save_whole_adapter
 
 from . import member_ledger, record_dp
+from .kept_evaluation import kept_reply
 from .runtime import ClientRuntime, begin_message, declared_state_keys, get_runtime, note_restored
 from .state_store import restore, save, state_file
 
@@ -307,6 +308,9 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
         out = save_whole_adapter(rt, out_dir) if kept_own else rt.strategy.save(rt, out_dir)
         if out is not None:  # where it lies is the node's to know: logged here, not sent
             log.info("node %s (partition %d): its adapter is saved in %s", context.node_id, rt.partition_id, out)
+    if rt.keeps_evaluation:  # the member's choice (or the run's ask): what it measured stays with it
+        kept = {**metrics, **rt.data.counts}
+        metrics = kept_reply(kept, rt.cfg.run_path() / "client-evaluation", rt.partition_id, server_round)
     metrics.update(rt.identity())
     return Message(metrics_reply(metrics), reply_to=msg)
 

@@ -28,6 +28,7 @@ from common.records import IDENTITY_KEYS
 from common.training import token_counts
 from strategies import StrategyClient, load_run_config, strategy_spec
 
+from .kept_evaluation import keeps_evaluation
 from .state_store import in_simulation
 
 log = get_logger("tessera.client")
@@ -120,6 +121,11 @@ class ClientRuntime:
         return self.data.train
 
     @property
+    def keeps_evaluation(self) -> bool:
+        """Whether its evaluation and split counts stay on its node (``client_app.kept_evaluation``)."""
+        return keeps_evaluation(self.node_config, self.cfg)
+
+    @property
     def tasks(self) -> str:
         """The task set it reports (its identity's ``tasks``; ``node-data`` on a node's own file)."""
         return self.data.tasks
@@ -174,7 +180,8 @@ class ClientRuntime:
             _restored.get(self.partition_id, ""),
             self.state.nbytes(),
         )
-        return {**dict(zip(IDENTITY_KEYS, values, strict=True)), **self.data.counts}
+        counts = {} if self.keeps_evaluation else self.data.counts  # how many records it holds: kept with it
+        return {**dict(zip(IDENTITY_KEYS, values, strict=True)), **counts}
 
 
 def _ray_node() -> str:

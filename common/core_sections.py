@@ -190,6 +190,9 @@ class EvalSection(Section):
     # false: no evaluation before round 1. Round 0 evaluates the base model (every adapter starts as the identity),
     # so it is the same for every strategy on the same clients; ``bench.compare`` measures it once per seed
     initial: bool = True
+    # true: every member keeps its evaluation (losses, EM, ROUGE-L, per-example values) and its split counts on its
+    # node and replies only that it evaluated (a member may also choose so itself: node-config keep-evaluation=true)
+    keep_on_node: bool = False
 
     def examples_at(self, server_round: int, last_round: int) -> int:
         """How many held-out examples the loss is measured on at ``server_round`` (0 = before training)."""

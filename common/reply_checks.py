@@ -109,6 +109,9 @@ RECORD_DP_METRICS = (
 )
 RECORD_DP_WITHHELD = ("train_loss", "train_tokens", "tokens_per_second")  # computed from the sampled records
 EVAL_OPTIONAL: dict[str, Spec] = {"eval_generated": Bound(int), **{f"guard_{k}": b for k, b in GUARD_BOUNDS.items()}}
+# An evaluation the member kept on its node (``client_app.kept_evaluation``): the reply says so and holds no measure
+KEPT_ON_NODE = "eval_kept_on_node"
+KEPT_EVAL_METRICS = {KEPT_ON_NODE: Bound(int, 1, 1), **IDENTITY_METRICS}
 
 
 def reply_metric_specs(declared: Mapping[str, type | None]) -> dict[str, Spec]:
@@ -121,7 +124,10 @@ def check_eval_metrics(metrics: Mapping[str, Any], max_examples: int | None = No
     """An evaluation reply's metrics (``check_metrics`` with ``EVAL_METRICS``); its per-example losses and token
     counts, when sent, must be lists of ``eval_examples`` finite values >= 0 (whole numbers for the counts), since a
     comparison resamples them; ``eval_examples`` (the reply's weight in the round's mean) at most ``max_examples``,
-    what the server asked for."""
+    what the server asked for. A reply of an evaluation kept on the node carries only ``eval_kept_on_node`` = 1
+    (and identity): its measures, if sent anyway, are not read."""
+    if KEPT_ON_NODE in metrics:  # nothing measured was sent: nothing to weigh or resample
+        return check_metrics(metrics, KEPT_EVAL_METRICS, {})
     checked = check_metrics(metrics, EVAL_METRICS, EVAL_OPTIONAL)
     n = int(checked["eval_examples"])
     if max_examples is not None and n > max_examples:

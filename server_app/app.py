@@ -30,7 +30,7 @@ from strategies.base import Arrays, ClientInfo, GroupResult
 
 from . import privacy
 from .admission import Admission, initialise_strategy, log_left_out, slim
-from .evaluation import evaluate_round
+from .evaluation import evaluate_round, kept_lines
 from .ledger import PrivacyLedger
 from .offenders import Offenders
 from .rundir import CheckpointError, RunDirectory
@@ -259,7 +259,7 @@ def finish_federation(fed: Federation) -> None:
         log.info("%s", line)
         print(f"[tessera] {line}", flush=True)
     rows = fed.run.read_metrics()
-    for line in privacy.record_lines(rows):  # record-level DP-SGD: each member's own epsilon
+    for line in [*privacy.record_lines(rows), *kept_lines(rows)]:  # each member's own epsilon; who kept its evaluation
         log.info("%s", line)
         print(f"[tessera] {line}", flush=True)
     plot = fed.run.plot_eval_loss() or "not drawn (see the log)"  # a figure never stops a run (common.plots.drawn)

@@ -12,6 +12,7 @@ from common.data import DATA_COUNT_KEYS
 from common.guard import GUARD_METRICS
 from common.logs import get_logger
 from common.records import IDENTITY_KEYS, num_bytes
+from common.reply_checks import KEPT_ON_NODE
 
 from .transport import evaluate_nodes
 
@@ -62,7 +63,10 @@ def evaluate_round(
         row.update(train_rows.get(nid, {"bytes_up": 0, "bytes_down": 0}))
         row["bytes_up"] = row.get("bytes_up", 0) + row.get("report_bytes", 0)
         row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
-        if isinstance(metrics, dict):
+        if isinstance(metrics, dict) and KEPT_ON_NODE in metrics:  # the member kept what it measured
+            row.update({k: None for k in EVAL_ROW_KEYS} | {KEPT_ON_NODE: True})
+            row.update({k.replace("-", "_"): metrics.get(k) for k in IDENTITY_KEYS})
+        elif isinstance(metrics, dict):
             row.update({k: metrics.get(k) for k in EVAL_ROW_KEYS})
             row.update({k: metrics[k] for k in EVAL_ROW_EXTRAS if k in metrics})
             row.update({k: v for k, v in metrics.items() if k.startswith("bound_")})  # an adapter's bound (SubLoRA)
@@ -102,3 +106,12 @@ def evaluate_round(
 
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+def kept_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The run's last word on members that kept their evaluation on their nodes (none: nothing)."""
+    kept = sorted({r["partition_id"] for r in rows if r.get(KEPT_ON_NODE) and r.get("partition_id") is not None})
+    if not kept:
+        return []
+    which = ", ".join(str(p) for p in kept)
+    return [f"partition(s) {which} kept their evaluation on their nodes (in client-evaluation/ of the run directory)"]

@@ -81,13 +81,15 @@ def state_digests(fed) -> dict[int, str]:
 def test_a_members_record_level_budget_in_its_node_config_alone_governs_its_training(tmp_path):
     """Two SuperNodes, one of which sets its own record-level budget in its node config (the run config asks for no
     DP): that member trains by DP-SGD within its epsilon, its train row says what it spent, and its steps are in its
-    own ledger on its node; the other trains as usual. Runs before the module's federation starts (its own)."""
+    own ledger on its node; the other trains as usual. The same member keeps its evaluation on its node
+    (node-config keep-evaluation): the server's rows hold no loss or split count of it, its node's file does. Runs
+    before the module's federation starts (its own)."""
     work = tmp_path / "budget"
     fed = LoopbackFederation(
         work,
         num_nodes=2,
         node_config=f"state-dir='{work / 'client-state'}'",
-        node_configs={1: "dp-record-epsilon=4.0 dp-record-delta=1e-6"},
+        node_configs={1: "dp-record-epsilon=4.0 dp-record-delta=1e-6 keep-evaluation=true"},
     )
     try:
         fed.up()
@@ -111,6 +113,15 @@ def test_a_members_record_level_budget_in_its_node_config_alone_governs_its_trai
     assert "record-level DP-SGD, partition 1: epsilon" in out, out[-3000:]
     ledger = [json.loads(line) for line in (work / "client-state" / "privacy-ledger" / "partition-1.jsonl").open()]
     assert [(e["kind"], e["round"], e["steps"]) for e in ledger if e["kind"] == "record"] == [("record", 1, 4)]
+    rows = [r for r in read_rows(run_dir) if r["node"] is not None]
+    kept = [r for r in rows if r["partition_id"] == 1]
+    assert all("data_train" not in r and "data_test" not in r for r in kept), kept  # how many records: its own
+    (evaluated,) = [r for r in kept if r.get("eval_kept_on_node")]
+    assert evaluated["eval_loss"] is None and "eval_example_loss" not in evaluated, evaluated
+    assert [r["eval_loss"] > 0 for r in rows if r["partition_id"] == 0 and "eval_loss" in r] == [True]
+    (own,) = [json.loads(line) for line in (run_dir / "client-evaluation" / "partition-1.jsonl").open()]
+    assert own["round"] == 1 and own["eval_loss"] > 0 and own["data-test"] > 0, own  # on the member's node
+    assert "partition(s) 1 kept their evaluation on their nodes" in out, out[-3000:]
 
 
 def test_unregistered_supernode_is_refused(federation):
