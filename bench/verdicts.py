@@ -23,14 +23,16 @@ from bench.stats import MIN_SEEDS
 PRIMARY_STATISTIC = "worst client"
 
 
-def example_losses(rows: Sequence[Row], strategy: str) -> dict[int, dict[int, tuple[list[float], list[int]]]]:
-    """A strategy's per-example held-out losses and token counts at its final round: seed -> client -> (losses,
-    tokens); runs without them (made before they were recorded) are left out."""
+def example_losses(
+    rows: Sequence[Row], strategy: str, server_round: int | None = None
+) -> dict[int, dict[int, tuple[list[float], list[int]]]]:
+    """A strategy's per-example held-out losses and token counts at its final round (or ``server_round``): seed ->
+    client -> (losses, tokens); runs without them (made before they were recorded) are left out."""
     out: dict[int, dict[int, tuple[list[float], list[int]]]] = {}
     mine = [r for r in rows if r["strategy"] == strategy]
     for seed in sorted({r["seed"] for r in mine}):
         run = [r for r in mine if r["seed"] == seed]
-        last = final_round(run)
+        last = final_round(run) if server_round is None else server_round
         clients = {
             r["client"]: (r["eval_example_loss"], r["eval_example_tokens"])
             for r in run
