@@ -183,19 +183,21 @@ PRESETS: dict[str, Preset] = {
             "cross-silo",
             "4 organisations, two per task (BoolQ, ASDiv), 1,000-1,400 training records each (every record the banks "
             "hold; 10 % held out, 3 % validation): record-level DP-SGD's setting (dp.record-epsilon), where the noise "
-            "on a step falls as 1 / the expected batch. Expected batches of 16, 4 steps a round; the loss on 64 "
-            "held-out examples at round 0 and the end, 2 of them generated.",
+            "on a step falls as 1 / the expected batch. Expected batches of 16, 3 steps a round, prompts cut at 250 "
+            "characters; the loss on 48 held-out examples at round 0 and the end, 2 of them generated.",
             clients=4,
             rounds=2,
             overrides={
-                **_PLENTY,
+                **_BUDGET,
+                "eval.final-examples": 48,
                 "data.tasks": "boolq,asdiv",
                 "data.partitioning": "by-task",
                 "data.max-examples-per-task": 4000,
+                "data.max-prompt-chars": 250,
                 "data.test-fraction": 0.1,
                 "data.validation-fraction": 0.03,
                 "train.batch-size": 16,
-                "train.local-steps": 4,
+                "train.local-steps": 3,
                 "eval.generate-examples": 2,
             },
             primary={"statistic": "worst client", "references": ["local"]},
