@@ -14,6 +14,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+from deploy.outcome import checked
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -65,7 +67,8 @@ def federation_config(num_clients: int, client_cpus: int | None = None) -> str:
 def flwr_run(
     home: Path, run_config: str, num_clients: int = 3, timeout: float = 900, client_cpus: int | None = None
 ) -> subprocess.CompletedProcess:
-    """Run the app in this repository to the end; return the finished process (stdout holds the streamed log).
+    """Run the app in this repository to the end; return the finished process (stdout holds the streamed log; its
+    return code is non-zero where the run failed, though `flwr run` itself exits 0 then).
     ``client_cpus``: CPUs per simulated client: Ray runs (cores // client_cpus) ClientApp actors at once, each with
     that many torch threads. By default ``OMP_NUM_THREADS`` where the caller set it (a client computing with N threads
     needs N CPUs; one thread each on two cores: two actors at once), else Flower's 2."""
@@ -81,7 +84,9 @@ def flwr_run(
         "--run-config",
         run_config,
     ]
-    return subprocess.run(cmd, cwd=ROOT, env=flwr_env(home), capture_output=True, text=True, timeout=timeout)
+    env = flwr_env(home)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return checked(done, "local", env)  # non-zero where the SuperLink records the run as failed (deploy.outcome)
 
 
 def stop_superlink(home: Path) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from deploy.certs import generate
 from deploy.local_sim import ROOT, flwr_env, prepare_home
+from deploy.outcome import checked
 
 CONNECTION = "tessera-loopback"
 
@@ -168,10 +169,12 @@ class LoopbackFederation:
         return ["flwr", "run", ".", CONNECTION, "--stream", "--run-config", run_config]
 
     def run(self, run_config: str, timeout: float = 1800) -> subprocess.CompletedProcess:
-        """``flwr run`` of this repository's app to the end (stdout holds the streamed ServerApp log)."""
-        return subprocess.run(
+        """``flwr run`` of this repository's app to the end (stdout holds the streamed ServerApp log; non-zero where
+        the SuperLink records the run as failed: ``deploy.outcome``)."""
+        done = subprocess.run(
             self.run_command(run_config), cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
         )
+        return checked(done, CONNECTION, self.env)
 
     def start_run(self, run_config: str, log_name: str = "flwr-run") -> subprocess.Popen:
         """``flwr run`` in the background (its log: ``work/<log_name>.log``)."""

@@ -157,6 +157,8 @@ def test_invalid_config_fails_before_round_one_naming_the_key(flwr_home, tmp_pat
     proc = flwr_run(flwr_home, f"train.local-steps=0 run-dir='{run_dir}'", timeout=300)
     output = proc.stdout + proc.stderr
     assert "train.local-steps" in output and "greater than or equal to 1" in output, output[-3000:]
+    # `flwr run` exits 0 here; the SuperLink's record of the run says it failed, and so does the exit code
+    assert proc.returncode == 1 and "finished:failed: Simulation failed" in proc.stderr, output[-3000:]
     # before round 1: no client was asked anything, no round was evaluated, nothing was written
     assert "clients:" not in output and "round 0:" not in output, output[-3000:]
     assert not run_dir.exists()

@@ -158,6 +158,8 @@ flwr run . "$CONNECTION" --stream --run-config \
 robust.bind-partitions=true $EXTRA" \
   2>&1 | tee "$OUT/flwr-run.log"
 RUN_S=$(( $(date +%s) - R0 ))
+# `flwr run` exits 0 even when the ServerApp failed: the SuperLink's record of the run decides (deploy/outcome.py)
+python3 -m deploy.outcome "$CONNECTION" "$OUT/flwr-run.log" || { echo "[demo] the run failed" >&2; exit 1; }
 docker cp "$(compose ps -q superlink):/app/runs/$NAME/." "$OUT/"
 [ -f "$OUT/metrics.jsonl" ] || { echo "[demo] the run wrote no metrics (see $OUT/flwr-run.log)" >&2; exit 1; }
 
