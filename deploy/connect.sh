@@ -4,6 +4,7 @@
 # Environment: TESSERA_CERTS (ca.crt and node-*.pub to register; default deploy/certs); REGISTER=0 only writes
 # the connection (e.g. before the SuperLink answers).
 set -euo pipefail
+source "$(dirname "$0")/../scripts/usage.sh"
 cd "$(dirname "$0")/.."
 source scripts/flwr_env.sh
 NAME=${1:-tessera}; ADDRESS=${2:-127.0.0.1:9092}

@@ -7,8 +7,10 @@
 #                   which passes the Fleet API only (Flower's Control API has no user authentication: whoever
 #                   reaches it can run code on every node, so it stays on this host's loopback)
 #   SUPERLINK_DB    state database; a file keeps runs across restarts (default: $FLWR_HOME/state.db)
-# Extra arguments are passed to flower-superlink. See docs/reliability-security.md.
+# Extra arguments are passed to flower-superlink (its own flags: flower-superlink --help). See
+# docs/reliability-security.md.
 set -euo pipefail
+source "$(dirname "$0")/../scripts/usage.sh"
 cd "$(dirname "$0")/.."
 source scripts/flwr_env.sh
 CERTS=${TESSERA_CERTS:-deploy/certs}

@@ -2,14 +2,9 @@
 # Install, then run the default demo: FedAvg over LoRA on the real 4-bit SmolLM2 with 3 clients of distinct
 # tasks. Extra arguments go to --run-config, e.g. `bash scripts/demo.sh "secure=true min-train-replies=3"`.
 # Exits non-zero when the run fails (a refused run config included), though `flwr run` itself exits 0 then.
+# Environment: TESSERA_CLIENTS (simulated clients, default 3). Every run-config key: docs/configuration.md.
 set -euo pipefail
-case "${1:-}" in
-  -h | --help)
-    sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'
-    echo "Environment: TESSERA_CLIENTS (simulated clients, default 3). Run-config keys: docs/configuration.md."
-    exit 0
-    ;;
-esac
+source "$(dirname "$0")/usage.sh"
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/flwr_env.sh

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Install Tessera and fetch its offline assets (no model hub needed). Idempotent: re-running is cheap.
+#   bash scripts/setup.sh [--no-assets]    --no-assets: the packages only
+# Environment: PYTHON (default python3), TESSERA_TORCH_VERSION (the CPU torch installed first, default 2.13.0).
 set -euo pipefail
+source "$(dirname "$0")/usage.sh"
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # CPU torch first: without it, resolving the project's `torch` pulls a multi-GB CUDA build.

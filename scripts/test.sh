@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install, lint and type-check, then run the whole test suite (unit tests, then the end-to-end runs on the real
-# 4-bit model).
+# 4-bit model). What CI runs (`bash .ci/run`). The fast loop alone: pytest -m "not e2e".
 set -euo pipefail
+source "$(dirname "$0")/usage.sh"
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --no-assets
 bash scripts/machine_info.sh versions

@@ -19,6 +19,7 @@
 # Needs: a running Docker engine, docker-compose (v1) or `docker compose` (v2), and `bash scripts/setup.sh` done on
 # the host (the `flwr` CLI, the certificate tool and the asset cache that the containers mount read-only).
 set -euo pipefail
+source "$(dirname "$0")/../../scripts/usage.sh"
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 ROUNDS=2 KEEP=0 GPU=0 OUT="" EXTRA="" DOWN="" BUILD_ONLY=0
@@ -32,7 +33,6 @@ while [ $# -gt 0 ]; do
     --run-config) EXTRA=$2; shift 2 ;;
     --down) DOWN=(down --remove-orphans); shift ;;
     --purge) DOWN=(down --remove-orphans -v); shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "[demo] unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
