@@ -206,10 +206,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategies", default="fedavg,simgrad,local")
-    parser.add_argument("--seeds", default="0,1,2,3,4")
-    parser.add_argument("--preset", default="tasks-distinct", choices=sorted(PRESETS))
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=_HelpFormatter,
+        epilog="Runs: strategies x seeds (15 with the defaults), one after another, each a whole `flwr run` of the "
+        "preset (minutes to tens of minutes on 2 cores: see the stored reports' wall times in docs/results/); each "
+        "run's start, its end and an estimate of the time left are printed, and the report is rewritten after every "
+        "run.",
+    )
+    parser.add_argument("--strategies", default="fedavg,simgrad,local", help="comma-separated items (see above)")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (3+ for seed-aware verdicts)")
+    parser.add_argument("--preset", default="tasks-distinct", choices=sorted(PRESETS), help="the scenario")
     parser.add_argument("--clients", type=int, help="simulated clients (default: the preset's)")
     parser.add_argument("--rounds", type=int, help="server rounds (default: the preset's)")
     parser.add_argument("--run-config", default="", help="more run-config overrides for every run ('k=v k=v')")
@@ -296,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 configs.append(
                     run_config(chosen, rounds, seed, name, f"{extra} eval.initial=false", args.run_config, run_dir)
                 )
+            print(start_line(i, total, label, seed, report["runs"]), flush=True)
             run = {
                 "strategy": label,
                 "seed": seed,
@@ -333,6 +341,25 @@ def rerender(out: Path) -> dict[str, Any]:
         report["primary"] = PRESETS[report["preset"]].primary
     print(write_report(out, report), flush=True)
     return report
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, "", []) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+def start_line(i: int, total: int, label: str, seed: int, done: list[dict[str, Any]]) -> str:
+    """What is starting, and the time the rest will take at the pace of the runs made so far (reused ones left out)."""
+    head = f"[compare] {i}/{total} {label} seed {seed}: starting"
+    walls = [r["wall_seconds"] for r in done if r.get("ok") and not r.get("reused") and r.get("wall_seconds")]
+    if not walls:
+        return f"{head} (no run timed yet)"
+    pace = sum(walls) / len(walls)
+    return f"{head}; about {pace / 60:.0f} min a run so far, about {pace * (total - i + 1) / 60:.0f} min left"
 
 
 def progress_line(i: int, total: int, run: dict[str, Any], rows: list[dict[str, Any]], rounds: int) -> str:

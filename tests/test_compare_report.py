@@ -566,3 +566,12 @@ def test_the_target_judges_every_guarded_strategy_on_harm_to_any_client():
     one_seed = [r for r in rows if r["seed"] == 0]
     status = verdict_tables(one_seed, ["local", "fedavg"], replicates=200)[0].splitlines()[0]
     assert f"{guarded}: not judged yet (1 seed, 3 needed)" in status  # "worse on no client" would be vacuous
+
+
+def test_each_run_says_when_it_starts_and_how_long_the_rest_will_take():
+    from bench.compare import start_line
+
+    assert start_line(1, 6, "local", 0, []) == "[compare] 1/6 local seed 0: starting (no run timed yet)"
+    done = [{"ok": True, "wall_seconds": 240.0}, {"ok": True, "wall_seconds": 360.0}, {"ok": True, "reused": True}]
+    # 300 s a run so far (the reused run took no time), this one and the three after it to go
+    assert start_line(3, 6, "fedavg", 0, done).endswith("about 5 min a run so far, about 20 min left")
