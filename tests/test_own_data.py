@@ -295,3 +295,53 @@ def test_the_check_command_reports_format_counts_split_and_problems(tmp_path):
     assert "row 42: field 'completion' is empty" in out.stdout and "not ready" in out.stdout
     out = run_check(tmp_path / "absent.jsonl")
     assert out.returncode == 1 and "refused:" in out.stdout and "does not exist" in out.stdout
+
+
+# --- files as common tools export them ------------------------------------------------------------------------------
+
+PAIRS = [{"prompt": f"What is {i} plus {i}?", "completion": str(2 * i)} for i in range(6)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_utf8_byte_order_mark_is_read_as_windows_tools_write_it(tmp_path, suffix):
+    body = "".join(json.dumps(r) + "\n" for r in PAIRS) if suffix == ".jsonl" else json.dumps(PAIRS)
+    path = tmp_path / f"bom{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert [e.answer for e in read_file(path).examples] == [r["completion"] for r in PAIRS]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_one_json_object_holding_the_rows_is_named_for_what_it_is(tmp_path, suffix):
+    path = tmp_path / f"export{suffix}"
+    path.write_text(json.dumps({"version": "1.0", "data": PAIRS}, indent=2))
+    with pytest.raises(DataError, match="one JSON object over several lines .*'data'.*not rows") as err:
+        read_file(path)
+    assert "JSON Lines" in err.value.detail and "is not valid JSON" not in str(err.value)
+
+
+def test_pretty_printed_rows_in_a_jsonl_file_are_named_for_what_they_are(tmp_path):
+    path = tmp_path / "pretty.jsonl"
+    path.write_text("".join(json.dumps(r, indent=2) + "\n" for r in PAIRS))
+    with pytest.raises(DataError, match="line 1 begins a JSON object that goes on over the next lines") as err:
+        read_file(path)
+    assert "jq -c" in err.value.detail
+
+
+def test_column_names_in_any_case_are_the_format_they_name(tmp_path):
+    path = tmp_path / "pairs.csv"
+    path.write_text("Prompt,Completion\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in PAIRS))
+    assert [(e.prompt, e.answer) for e in read_file(path).examples] == [(r["prompt"], r["completion"]) for r in PAIRS]
+
+
+def test_openai_text_content_parts_are_read_and_other_parts_refused_without_their_type(tmp_path):
+    def chat(user, assistant):
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+
+    parts = [chat([{"type": "text", "text": f"Hi {i}"}], [{"type": "text", "text": f"Hello {i}."}]) for i in range(4)]
+    path = write_jsonl(tmp_path / "parts.jsonl", parts)
+    assert [(e.prompt, e.answer) for e in read_file(path).examples] == [(f"Hi {i}", f"Hello {i}.") for i in range(4)]
+    picture = chat([{"type": "image_url", "image_url": {"url": "https://example.org/x.png"}}], "A cat.")
+    path = write_jsonl(tmp_path / "picture.jsonl", [picture] * 3)
+    with pytest.raises(DataError, match=r"field 'content\[0\]' must be a text part") as err:
+        read_file(path)
+    assert "image_url" not in str(err.value) and "image_url" in err.value.detail  # the type stays on the node

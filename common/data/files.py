@@ -153,9 +153,37 @@ def _row_chars(value: Any) -> int:
 # --- JSON Lines and JSON -------------------------------------------------------------------------------------------
 
 
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark many Windows tools write first
+
+
 def _is_array(path: Path) -> bool:
     with open(path, "rb") as handle:
-        return handle.read(64).lstrip().startswith(b"[")
+        return handle.read(64).removeprefix(BOM).lstrip().startswith(b"[")
+
+
+def _not_json_lines(path: Path, number: int, line: str, err: json.JSONDecodeError) -> DataError:
+    """A line that is not JSON: where the whole file is one JSON value (pretty-printed, or an object holding the
+    rows), say what it is and what is expected, rather than that its first line is invalid."""
+    if number == 1 and path.stat().st_size <= 64 * 2**20:
+        try:
+            whole = json.loads(path.read_bytes().removeprefix(BOM).decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            whole = None
+        if isinstance(whole, dict):
+            lists = [k for k, v in whole.items() if isinstance(v, list)]
+            where = f" (its rows may be the list under {', '.join(repr(k) for k in lists[:3])})" if lists else ""
+            return _fail(
+                path,
+                f"the file is one JSON object over several lines{where}, not rows",
+                "Give one row per line (JSON Lines, .jsonl) or a JSON array of row objects (.json).",
+            )
+    if line.strip().startswith("{") and not line.strip().endswith("}"):  # an object begun and not ended
+        return _fail(
+            path,
+            f"line {number} begins a JSON object that goes on over the next lines (pretty-printed JSON)",
+            "JSON Lines needs each row on one line: write it compact (e.g. jq -c . file > file.jsonl).",
+        )
+    return _fail(path, f"line {number} is not valid JSON ({err.msg}, column {err.colno})", "Fix that line.")
 
 
 def _json_columns(path: Path, max_row_chars: int) -> list[str]:
@@ -178,7 +206,7 @@ def _json_rows(path: Path, max_row_chars: int, check: bool) -> Iterator[tuple[in
     once parsed), each row handed on and let go."""
     if _is_array(path):
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().removeprefix(BOM).decode("utf-8")
         except UnicodeDecodeError as err:
             raise _fail(path, f"byte {err.start} is not UTF-8", "Save the file as UTF-8.") from None
         try:
@@ -186,12 +214,19 @@ def _json_rows(path: Path, max_row_chars: int, check: bool) -> Iterator[tuple[in
         except json.JSONDecodeError as err:
             raise _fail(path, f"line {err.lineno} is not valid JSON ({err.msg})", "Fix that line.") from None
         del text
+        if not isinstance(rows, list):  # e.g. an object that holds the rows: say what it is
+            raise _fail(
+                path,
+                f"the file is a JSON {type(rows).__name__}, not an array of rows",
+                "Give the rows as a JSON array of objects (.json) or one object per line (.jsonl).",
+            )
         for number in range(1, len(rows) + 1):
             row, rows[number - 1] = rows[number - 1], None
             yield number, row
         return
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, 1):
+            raw = raw.removeprefix(BOM) if number == 1 else raw
             if not raw.strip():
                 continue
             if not check:
@@ -208,9 +243,7 @@ def _json_rows(path: Path, max_row_chars: int, check: bool) -> Iterator[tuple[in
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise _fail(
-                    path, f"line {number} is not valid JSON ({err.msg}, column {err.colno})", "Fix that line."
-                ) from None
+                raise _not_json_lines(path, number, line, err) from None
             yield number, row
 
 

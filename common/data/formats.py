@@ -39,8 +39,9 @@ HINTS = {
 
 
 def detect_format(columns: list[str]) -> str:
-    """The format the columns say, or a DataError listing what each format needs."""
-    names = set(columns)
+    """The format the columns say (their names in any case: ``Prompt,Completion`` is prompt-completion), or a
+    DataError listing what each format needs."""
+    names = {str(c).strip().lower() for c in columns}
     if "messages" in names:
         return "chat"
     if "conversations" in names:
@@ -68,6 +69,8 @@ class RowError(DataError):
 
 def _text(row: Mapping[str, Any], field: str, required: bool = True) -> str:
     value = row.get(field)
+    if isinstance(value, list) and field == "content":  # OpenAI's content parts: the text ones, in order
+        value = _text_parts(value)
     if value is None or (isinstance(value, float) and math.isnan(value)):  # CSV readers give NaN for a blank
         if required:
             raise RowError(field, "is missing")
@@ -77,6 +80,20 @@ def _text(row: Mapping[str, Any], field: str, required: bool = True) -> str:
     if not isinstance(value, str):
         raise RowError(field, f"must be text, not {type(value).__name__}")
     return value
+
+
+def _text_parts(parts: list[Any]) -> str:
+    """OpenAI content parts (``[{"type": "text", "text": ...}, ...]``) as one text; a part that is not text (an
+    image, audio) cannot be trained on and is refused, naming its type."""
+    texts = []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RowError(
+                f"content[{i}]", "must be a text part ({'type': 'text', 'text': ...})", f" (got {str(kind)[:40]!r})"
+            )  # the part's type is the member's data: only its own log sees it
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _answer(text: str, field: str) -> str:
@@ -148,6 +165,7 @@ def clip(text: str, limit: int) -> tuple[str, bool]:
 def to_example(row: Mapping[str, Any], fmt: str, max_prompt_chars: int) -> tuple[Example, bool]:
     """One row as an ``Example`` (RowError if its format cannot read it), and whether a prompt or system turn was
     cut to ``max_prompt_chars`` (answers are never cut here: the token limit keeps their start)."""
+    row = _lower_keys(row)
     turns = READERS[fmt](row)
     task = row.get("task")
     task = str(task) if isinstance(task, str | int) and str(task).strip() else DEFAULT_TASK
@@ -159,6 +177,17 @@ def to_example(row: Mapping[str, Any], fmt: str, max_prompt_chars: int) -> tuple
             clipped |= cut
         kept.append((role, content))
     return _example(task, kept, _example(task, turns).content_key() if clipped else ""), clipped
+
+
+def _lower_keys(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The row with its column names in lower case (the first of two that differ only in case wins), as
+    ``detect_format`` reads them; the row itself where they already are."""
+    if all(not isinstance(k, str) or k == k.strip().lower() for k in row):
+        return row
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        out.setdefault(key.strip().lower() if isinstance(key, str) else key, value)
+    return out
 
 
 def _example(task: str, turns: list[tuple[str, str]], source_key: str = "") -> Example:
