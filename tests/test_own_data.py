@@ -345,3 +345,30 @@ def test_openai_text_content_parts_are_read_and_other_parts_refused_without_thei
     with pytest.raises(DataError, match=r"field 'content\[0\]' must be a text part") as err:
         read_file(path)
     assert "image_url" not in str(err.value) and "image_url" in err.value.detail  # the type stays on the node
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--test-fraction", "1.5"], "--test-fraction: Input should be less than 1 (got 1.5)"),
+        (["--max-prompt-chars", "10"], "--max-prompt-chars: Input should be greater than or equal to 64"),
+        (["--max-seq-len", "5"], "--max-seq-len: Input should be greater than or equal to 16"),
+        (["--max-row-chars", "0"], "--max-row-chars"),
+    ],
+)
+def test_a_check_setting_a_run_would_refuse_is_named_by_its_flag(tmp_path, flags, named):
+    out = run_check(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), *flags)
+    assert out.returncode == 2 and named in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_check_counts_every_bad_row_names_the_first_when_all_fail_and_says_what_the_defaults_cut(tmp_path):
+    rows = [{"prompt": f"q{i}"} for i in range(14)] + [{"prompt": "What is one plus one?", "completion": "2"}] * 2
+    out = run_check(write_jsonl(tmp_path / "bad.jsonl", rows))
+    assert out.returncode == 1 and "rows that cannot be read: 14 (" in out.stdout and "the first 10" in out.stdout
+    out = run_check(write_jsonl(tmp_path / "none.jsonl", rows[:14]), "--format", "prompt-completion")
+    assert out.returncode == 1 and "no row could be read" in out.stdout
+    assert "row 1 of them: row 1: field 'completion' is missing" in out.stdout, out.stdout
+    long = [{"prompt": f"Summarise: {'word ' * 200}{i}", "completion": "A summary."} for i in range(40)]
+    out = run_check(write_jsonl(tmp_path / "long.jsonl", long))
+    assert out.returncode == 0 and "ready" in out.stdout
+    assert "note: 40 of 40 prompts cut to data.max-prompt-chars (400)" in out.stdout, out.stdout

@@ -46,6 +46,7 @@ class FileData:
     examples: list[Example]
     clipped: int = 0
     problems: list[str] = field(default_factory=list)  # the first rows refused, for ``check`` (strict=False)
+    refused: int = 0  # every row refused (strict=False)
 
 
 @dataclass
@@ -451,13 +452,15 @@ def _read(path: Path, fmt: str, max_prompt_chars: int, max_row_chars: int, stric
             problem = DataError(reason, f"{path}: {reason}{err.seen}. {_row_fix(fmt)}")
             if strict:
                 raise problem from None
+            out.refused += 1
             if len(out.problems) < 10:
                 out.problems.append(problem.detail)
             continue
         out.examples.append(example)
         out.clipped += clipped
-    if not out.examples:
-        raise _fail(path, f"no row could be read as {fmt}", _row_fix(fmt))
+    if not out.examples:  # the first row's own reason, as a node reading the file strictly would give it
+        first = f"; row 1 of them: {out.problems[0].removeprefix(f'{path}: ')}" if out.problems else ""
+        raise _fail(path, f"no row could be read as {fmt}", f"{_row_fix(fmt)}{first}")
     return out
 
 
