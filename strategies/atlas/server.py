@@ -73,12 +73,8 @@ class Atlas(FingerprintStrategy):
     label = "atlas"
 
     def __init__(self, cfg: AtlasSection, fingerprint: FingerprintSection, secure: bool = False, seed: int = 0) -> None:
-        super().__init__()
+        super().__init__(cfg.recluster_every, fingerprint, secure, seed)
         self.cfg = cfg
-        self.refresh_every = cfg.recluster_every
-        self.dim = fingerprint.dim
-        self.secure = secure
-        self.seed = seed
         self.groupings: dict[str, Grouping] = {}  # family -> its clusters and groups (clusters after merges)
         self.adapter_of: dict[int, Arrays] = {}  # partition -> its cluster's adapter
         self.plan = RankPlan(cfg.ranks)  # which clients have their own LoRA ranks (a memory budget), and what

@@ -18,6 +18,7 @@ from common.records import metric_list
 from ..base import MIN_SECURE_GROUP, Arrays, ClientInfo, Strategy
 from ..families import family_key
 from ..sketches import report_vector
+from .config import FingerprintSection
 from .pca import LOW_EXPLAINED_VARIANCE, Reduced, reduce_fingerprints
 from .wire import FINGERPRINT, LAYER_IMPORTANCE, LAYER_NAMES
 
@@ -61,8 +62,9 @@ def read_fingerprint(arrays: Arrays, metrics: dict[str, Any]) -> FingerprintRepo
 class FingerprintStrategy(Strategy):
     """Bookkeeping for a strategy whose server half asks clients for task fingerprints.
 
-    Subclasses set ``refresh_every`` (0: fingerprints once, in round 1) and implement ``regroup``, called after
-    every round whose reports arrived, with the families whose fingerprints changed.
+    Subclasses pass ``refresh_every`` (0: fingerprints once, in round 1), the fingerprint section, ``secure`` and
+    the run's seed to ``__init__``, and implement ``regroup``, called after every round whose reports arrived, with
+    the families whose fingerprints changed.
 
     Attributes:
         partition_of, model_of: per node id, its partition id and base model.
@@ -79,7 +81,13 @@ class FingerprintStrategy(Strategy):
     secure: bool = False
     label: ClassVar[str] = "fingerprint"
 
-    def __init__(self) -> None:
+    def __init__(
+        self, refresh_every: int = 0, fingerprint: FingerprintSection | None = None, secure: bool = False, seed: int = 0
+    ) -> None:
+        self.refresh_every = refresh_every
+        self.dim = (fingerprint or FingerprintSection()).dim
+        self.secure = secure
+        self.seed = seed
         self.partition_of: dict[int, int] = {}
         self.model_of: dict[int, str] = {}
         self.family_of_partition: dict[int, str] = {}

@@ -52,12 +52,8 @@ class Mira(FingerprintStrategy):
     label = "mira"
 
     def __init__(self, cfg: MiraSection, fingerprint: FingerprintSection, secure: bool = False, seed: int = 0) -> None:
-        super().__init__()
+        super().__init__(cfg.refresh_every, fingerprint, secure, seed)
         self.cfg = cfg
-        self.refresh_every = cfg.refresh_every
-        self.dim = fingerprint.dim
-        self.secure = secure
-        self.seed = seed
         self.alpha: dict[str, float] = {}
         self.raw: dict[str, np.ndarray] = {}  # family -> a_kl before normalisation (for the heatmap)
         self.adjacency: dict[str, np.ndarray] = {}  # family -> row-normalised a_kl, in ``members`` order
