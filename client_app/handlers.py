@@ -34,6 +34,7 @@ from common.records import (
     QUERY_INITIAL,
     QUERY_REPORT,
     SEND_ADAPTER,
+    SERVER_ROUND,
     initial_reply,
     metrics_reply,
     read_sent_adapter,
@@ -69,7 +70,7 @@ def query(msg: Message, context: Context) -> Message:
     if kind == QUERY_REPORT:
         if record_dp.node_budget(context, rt.cfg) and (why := record_dp.refusal(rt.cfg)):
             raise ValueError(why)  # a report made from the records outside DP-SGD would leave the node unaccounted
-        arrays, metrics = rt.strategy.report(rt, rt.state, _config_int(config, "server-round", 0))
+        arrays, metrics = rt.strategy.report(rt, rt.state, _config_int(config, SERVER_ROUND, 0))
         return Message(report_reply(arrays, {**metrics, **rt.identity()}), reply_to=msg)
     if kind != QUERY_INITIAL:
         raise ValueError(f"unknown query {kind!r}")
@@ -106,7 +107,7 @@ def train(msg: Message, context: Context) -> Message:
     rt.strategy.ready(rt, config, training=True)
     guarded = guard(rt)
     rt.adapter.prepare_training()
-    server_round = int(config.get("server-round", 1))
+    server_round = int(config.get(SERVER_ROUND, 1))
     settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
     lr = round_learning_rate(settings, server_round, int(config.get("num-server-rounds", rt.cfg.num_server_rounds)))
     log.info(
@@ -281,7 +282,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     rt.strategy.ready(rt, config, training=False)
     guarded = guard(rt)
-    server_round = _config_int(config, "server-round", -1)
+    server_round = _config_int(config, SERVER_ROUND, -1)
     examples = rt.cfg.eval.examples_at(server_round, rt.cfg.num_server_rounds)  # more where verdicts are made
     metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train, examples))
     metrics.update(guarded)

@@ -214,6 +214,7 @@ IDENTITY_KEYS = (
     "state-restored",
     "state-bytes",
 )
+SERVER_ROUND = "server-round"  # every instruction and query: the round it belongs to (0: before training)
 SEND_ADAPTER = "send-adapter"  # initial query: False asks for the adapter's digest only (what admission compares)
 ADAPTER_DIGEST = "adapter-digest"  # identity key: the digest of the client's initial adapter
 

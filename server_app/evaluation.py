@@ -11,7 +11,7 @@ import psutil
 from common.data import DATA_COUNT_KEYS
 from common.guard import GUARD_METRICS
 from common.logs import get_logger
-from common.records import IDENTITY_KEYS, num_bytes
+from common.records import IDENTITY_KEYS, SERVER_ROUND, num_bytes
 from common.reply_checks import KEPT_ON_NODE
 
 from .transport import evaluate_nodes
@@ -49,7 +49,7 @@ def evaluate_round(
         grid,
         server_round,
         arrays_by_node,
-        {"server-round": server_round},
+        {SERVER_ROUND: server_round},
         cfg.round_timeout,
         configs,
         asked,

@@ -13,7 +13,7 @@ from common.adapters import adapter_kind
 from common.config import RunConfig
 from common.guard import TRAIN_GUARD_METRICS
 from common.logs import get_logger
-from common.records import num_bytes
+from common.records import SERVER_ROUND, num_bytes
 from common.reply_checks import (
     MEMBER_LEDGER_METRICS,
     RECORD_DP_METRICS,
@@ -77,7 +77,7 @@ def train_round(
 
 def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:
     """What every train instruction of the round says: the round and how many there are."""
-    return {"server-round": server_round, "num-server-rounds": cfg.num_server_rounds}
+    return {SERVER_ROUND: server_round, "num-server-rounds": cfg.num_server_rounds}
 
 
 def reply_limits(cfg: RunConfig, max_update_norm: float | None = None) -> ReplyLimits:

@@ -28,6 +28,7 @@ from common.records import (
     QUERY_INITIAL,
     QUERY_REPORT,
     SEND_ADAPTER,
+    SERVER_ROUND,
     ReplyError,
     adapter_digest,
     eval_instruction,
@@ -334,7 +335,7 @@ def collect_reports(
     validated by ``read_report``: the reports, the nodes left out (with the reason) and each report's array bytes."""
     messages = [
         Message(
-            query_instruction(QUERY_REPORT, {"server-round": server_round}),
+            query_instruction(QUERY_REPORT, {SERVER_ROUND: server_round}),
             dst_node_id=nid,
             message_type=MessageType.QUERY,
             group_id=f"report-{server_round}",
