@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine (issue 57), after `bash bench/gpu_carry.sh` here, as ONE device call:
+# On the GPU machine, after `bash bench/gpu_carry.sh` here, as ONE device call:
 #   run(command="bash bench/gpu_device.sh all", carry=[".gpu"], timeout_s=600)      # or bench | federation
 # Installs the carried wheels (no network there), unpacks the task bank and the tokenizer, records the machine, then
 # runs bench.gpu_bench (the plain HF QLoRA loop beside Tessera's training path, Llama 1B and 7B shapes, checkpointing

@@ -4,7 +4,7 @@ and SimGrad, plain and through SecAgg+, on a random-initialised model of a real 
     python -m bench.gpu_federation [--shape llama-1b] [--rounds 2] [--runs fedavg,simgrad] [--modes plain,secure]
                                    [--out bench/results/gpu-federation] [--device cuda]
     python -m bench.gpu_federation --shape tiny --rounds 1 --runs fedavg --modes plain --device cpu   # a CPU check
-    bash bench/gpu_device.sh federation   # on the device machine: installs the carried wheels first (issue 57)
+    bash bench/gpu_device.sh federation   # on the device machine: installs the carried wheels first
 
 The GPU machines here have no model hub and no network, so the weights are random (seeded) with a real shape
 (``bench.gpu_bench.SHAPES``), the tokenizer is SmolLM2's (its vocabulary fits every shape: the embedding is widened

@@ -132,7 +132,7 @@ def test_fedavg_secure_matches_plain(plain_run, flwr_home, tmp_path):
 
 
 def test_sublora_fedavg_through_secagg_sends_d_numbers_and_every_client_learns(flwr_home, tmp_path):
-    """Issue 34's end-to-end run: SubLoRA clients (d = 1,000) averaged by FedAvg through SecAgg+ on the real model."""
+    """SubLoRA end to end: clients (d = 1,000) averaged by FedAvg through SecAgg+ on the real model."""
     run_dir = tmp_path / "sublora"
     # the bound on 8 training examples per client (two forward passes each at the last round; 64 by default)
     overrides = "fedavg.adapter='sublora' sublora.intrinsic-dim=1000 sublora.bound-examples=8 secure=true "
@@ -190,7 +190,7 @@ def test_partition_sources_simulate_members_own_files_and_bad_data_leaves_its_no
 
 
 def test_fedavg_through_secagg_with_distributed_noise_counts_every_round_and_stops_at_its_target(flwr_home, tmp_path):
-    """Issue 56's end-to-end run: FedAvg through SecAgg+ on the real model with dp.target-epsilon=8 and a noise
+    """Member-level DP end to end: FedAvg through SecAgg+ on the real model with dp.target-epsilon=8 and a noise
     multiplier that the target carries through 2 rounds but not 3: rounds 1 and 2 run, each aggregate row says what
     was spent, the run stops before round 3 saying why; the global LoRA B (zero at the start) is as far from zero as
     the members' noise puts it (they add it before masking; the server only unmasks the sum)."""

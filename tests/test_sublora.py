@@ -1,4 +1,4 @@
-"""SubLoRA (issue 34, seed 004) on the tiny Llama: the projection is linear, deterministic from its seed in any
+"""SubLoRA (seed 004) on the tiny Llama: the projection is linear, deterministic from its seed in any
 process and scaled like a dense Gaussian one; the allocation modes route alpha as the seed says; the adapter starts
 as the base model, trains through alpha (and learned gates) on a 4-bit base, averages alpha as theta, and exports a
 PEFT adapter that reproduces its logits; the coding of alpha round-trips and the bound follows its formulas."""

@@ -24,8 +24,8 @@ class PQLoraSection(OwnStepSection):
     per_model: ClassVar[frozenset[str]] = frozenset({"learning-rate", "gate-init", "gate-learning-rate"})
     r: int = Field(8, ge=1, le=128)
     # Adapt the last ``blocks`` transformer blocks. 24: every block of Qwen2.5-0.5B, 24 of SmolLM2-135M's 30, so
-    # clients of both models share the same block indices. Chosen by the validation sweep of issue 13
-    # (docs/comparing.md): 4 blocks of rank 8 could not learn (BoolQ 2.55 -> 2.13 where a local LoRA gets 0.28).
+    # clients of both models share the same block indices. Chosen by a validation sweep (2026-11-23, commit 4131ac1;
+    # docs/comparing.md): 4 blocks of rank 8 could not learn (BoolQ 2.55 -> 2.13 where a local LoRA gets 0.28).
     blocks: int = Field(24, ge=1)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
     scaling: float = Field(4.0, gt=0)
