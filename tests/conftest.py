@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT))
 def pytest_collection_modifyitems(config, items):
     """An e2e test outside ``test_e2e_*.py`` is a whole federation on a tiny model in a child process with its own
     Ray (``tests/child.py``): marked ``inprocess``, so that ``scripts/test.sh`` runs it on every core beside the unit
-    tests; the real-model runs (``test_e2e_*.py``) start SuperLinks, SuperNodes and Ray on all the cores and run
-    one at a time after them."""
+    tests; the real-model runs (``test_e2e_*.py``) start SuperLinks, SuperNodes and Ray and run after them, in two
+    lanes of one file at a time (``scripts/test.sh``)."""
     for item in items:
         if item.get_closest_marker("e2e") and not item.path.name.startswith("test_e2e_"):
             item.add_marker(pytest.mark.inprocess)
