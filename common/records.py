@@ -127,13 +127,20 @@ def read_train_instruction(
     return read_train_arrays(content, reference), read_train_config(content)
 
 
+def joined(values: Any, fmt: str = "") -> str:
+    """A list as one scalar record value, comma-joined (``fmt``: each number's format, e.g. ``".6g"``): how every
+    list travels in an instruction's config or a FitRes' metrics; ``metric_list`` reads it back."""
+    return ",".join(format(x, fmt) if fmt else str(x) for x in values)
+
+
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """Lists joined by commas: SecAgg+ converts replies to legacy FitRes, whose metrics take scalars only."""
-    return {k: ",".join(str(x) for x in v) if isinstance(v, (list, tuple)) else v for k, v in metrics.items()}
+    return {k: joined(v) if isinstance(v, (list, tuple)) else v for k, v in metrics.items()}
 
 
 def metric_list(value: Any, kind: type = float) -> list:
-    """The inverse of ``scalar_metrics`` for one value ("0.5,0.4" -> [0.5, 0.4]); lists pass through."""
+    """The inverse of ``joined`` / ``scalar_metrics`` for one value ("0.5,0.4" -> [0.5, 0.4]; "" -> []); lists
+    pass through."""
     if isinstance(value, str):
         return [kind(x) for x in value.split(",") if x.strip()]
     return [kind(x) for x in value] if value is not None else []

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.records import joined, metric_list
+
 from ..fingerprint.server import MEMORY_MB
 
 OWN_RANKS, WIRE_RANKS = "lora-ranks", "wire-ranks"  # instruction config keys: comma-separated, sorted layer order
@@ -24,12 +26,12 @@ __all__ = ["MEMORY_MB", "NEIGHBOUR_TERM", "OWN_RANKS", "WIRE_RANKS", "decode_ran
 
 def encode_ranks(ranks: dict[str, int]) -> str:
     """Per-layer ranks as an instruction config value: comma-separated, in sorted layer order."""
-    return ",".join(str(ranks[path]) for path in sorted(ranks))
+    return joined(ranks[path] for path in sorted(ranks))
 
 
 def decode_ranks(value: Any, paths: list[str]) -> dict[str, int]:
     """``encode_ranks``' value read back for the layers ``paths`` (ValueError when the count differs)."""
-    numbers = [int(x) for x in str(value).split(",") if x.strip()]
+    numbers = metric_list(str(value), int)
     if len(numbers) != len(paths):
         raise ValueError(f"{len(numbers)} ranks for {len(paths)} LoRA layers")
     return dict(zip(sorted(paths), numbers))

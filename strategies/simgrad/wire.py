@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from common.records import joined, metric_list
+
 # train-instruction config: the PQ-LoRA blocks a group trains and sends (layerwise routing), comma-joined
 ACTIVE_BLOCKS = "active-blocks"
 SIGNATURE = "signature"  # report array: the client's sanitised gradient signature
@@ -16,10 +18,10 @@ ALIGN_ERROR_BEFORE, ALIGN_ERROR_AFTER = "align_error_before", "align_error_after
 
 def blocks_config(blocks: list[int]) -> dict[str, str]:
     """A group's train-instruction config for its routed ``blocks``."""
-    return {ACTIVE_BLOCKS: ",".join(str(b) for b in blocks)}
+    return {ACTIVE_BLOCKS: joined(blocks)}
 
 
 def active_blocks(config: Mapping[str, Any]) -> list[int] | None:
     """The routed blocks of a train instruction's config (None: no routing, every block)."""
-    value = str(config.get(ACTIVE_BLOCKS, "")).strip()
-    return [int(b) for b in value.split(",")] if value else None
+    blocks = metric_list(str(config.get(ACTIVE_BLOCKS, "")), int)
+    return blocks or None

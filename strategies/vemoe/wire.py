@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from common.records import joined, metric_list
+
 # payload arrays, both ways: each slot's responsibility (server -> client: 1 for a live slot, 0 for a free one)
 # and the birth vote (client -> server: 0 or 1; zero from the server)
 RESPONSIBILITY, VOTE = "responsibility", "birth-vote"
@@ -25,13 +27,13 @@ PROBE_METRIC, R_METRIC, TOP_METRIC, VOTE_METRIC = "vemoe_probe", "vemoe_r", "vem
 
 def prior_config(prior: np.ndarray) -> dict[str, str]:
     """A train instruction's config carrying ``prior`` (one share per slot)."""
-    return {PRIOR: ",".join(f"{x:.6g}" for x in prior)}
+    return {PRIOR: joined(prior, ".6g")}
 
 
 def read_prior(config: Mapping[str, Any]) -> np.ndarray | None:
     """The prior a train instruction carries (None: none, the plain softmax)."""
-    prior = str(config.get(PRIOR, ""))
-    return np.array([float(x) for x in prior.split(",")]) if prior else None
+    prior = metric_list(str(config.get(PRIOR, "")), float)
+    return np.array(prior) if prior else None
 
 
 BESIDE_POOL = (RESPONSIBILITY, VOTE, GAP, MOVE)  # the payload's arrays that are not an expert
