@@ -197,8 +197,22 @@ def _accept_train_reply(
 
 
 def member_config(group: Group, config: dict[str, Any], node_id: int) -> dict[str, Any]:
-    """A member's train-instruction config: the round's, the group's, its own, and how it weighs its update."""
-    return {**config, **group.config, **group.member_configs.get(node_id, {}), WEIGHT_BY: group.weight_by}
+    """A member's train-instruction config: the round's, the group's, its own, and how it weighs its update. A key
+    two of them set is a strategy's mistake (one would silently win): ValueError naming it and where it came from."""
+    sources = {
+        "the round": config,
+        f"group {group.name}": group.config,
+        f"node {node_id}'s own": group.member_configs.get(node_id, {}),
+        "the weighting": {WEIGHT_BY: group.weight_by},
+    }
+    merged: dict[str, Any] = {}
+    said: dict[str, str] = {}
+    for source, values in sources.items():
+        for key, value in values.items():
+            if key in merged:
+                raise ValueError(f"train instruction: key {key!r} set by {said[key]} and by {source}")
+            merged[key], said[key] = value, source
+    return merged
 
 
 def max_weight(group: Group, examples_per_round: int) -> float:

@@ -398,3 +398,21 @@ def test_a_clients_error_reason_reaches_the_servers_log_on_one_line(capsys):
     record = logging.LogRecord("tessera.server", logging.WARNING, "f", 1, "node %d: %s", (3, forged), None)
     line = OneLineFormatter("%(levelname)s %(message)s").format(record)
     assert line.count("\n") == 0 and line.startswith("WARNING node 3: bad\\n")
+
+
+def test_a_train_instruction_key_set_by_two_sources_is_refused_naming_both():
+    from server_app.transport import member_config
+
+    group = Group("g", {1: {}, 2: {}}, config={"active-blocks": "1,2"}, member_configs={2: {"lora-ranks": "4"}})
+    assert member_config(group, {"server-round": 3}, 2) == {
+        "server-round": 3,
+        "active-blocks": "1,2",
+        "lora-ranks": "4",
+        "weight-by": "examples",
+    }
+    clash = Group("g", {1: {}}, config={"server-round": 9})
+    with pytest.raises(ValueError, match="'server-round' set by the round and by group g"):
+        member_config(clash, {"server-round": 3}, 1)
+    own = Group("g", {1: {}}, config={"active-blocks": "1"}, member_configs={1: {"active-blocks": "2"}})
+    with pytest.raises(ValueError, match="'active-blocks' set by group g and by node 1's own"):
+        member_config(own, {}, 1)
