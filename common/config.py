@@ -90,6 +90,7 @@ class RunConfig(Section):
     secure: bool = False
     num_server_rounds: int = Field(3, ge=1, le=10_000)
     run_dir: str = Field("runs/latest", min_length=1)
+    live_curves: bool = True  # every round's metrics also to TensorBoard under <run-dir>/tensorboard (server_app.live)
     resume: bool = False
     seed: int = 0
     min_train_replies: int = Field(2, ge=1)

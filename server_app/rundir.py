@@ -6,6 +6,7 @@ Layout of ``<run-dir>``:
   every completed round; the previous round's pair is kept (``state.prev.json``) and used if the last is torn. A
   checkpoint that cannot be written (disk full, ...) leaves the previous one as it was and no partial file behind
   (``CheckpointError``).
+- ``tensorboard/`` — the same rows as live curves, written every round (``server_app.live``; ``live-curves``).
 - ``eval_loss.png`` — per-client eval loss per round; a strategy's own figures beside it (e.g. SimGrad's
   ``relevance/`` and ``gates.png``).
 - ``adapter/`` (or ``adapters/<name>/``, one per name: ``adapter_dir``) — PEFT adapter directories loadable by
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import re
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any, cast
@@ -35,6 +37,8 @@ from common import plots
 from common.config import resolve_run_dir
 from common.logs import get_logger
 from strategies.base import Arrays
+
+from .live import LiveCurves
 
 log = get_logger("tessera.server")
 
@@ -78,6 +82,16 @@ class RunDirectory:
             raise _not_writable(self.path, err) from err
         self.metrics_path = self.path / "metrics.jsonl"
         self.checkpoint_dir = self.path / "checkpoint"
+        self.live = LiveCurves(self.path / "tensorboard", enabled=False)  # until ``watch``
+
+    def watch(self, enabled: bool, fresh: bool) -> None:
+        """Send every round's rows to TensorBoard from now on (``server_app.live``); ``fresh``: a run starting over,
+        whose old curves go with its old metrics."""
+        directory = self.path / "tensorboard"
+        self.live.close()
+        if fresh and directory.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+        self.live = LiveCurves(directory, enabled)
 
     def check_writable(self) -> None:
         """Prove that the run can write its results now, before any node is asked for anything: a small file is
@@ -114,6 +128,7 @@ class RunDirectory:
             except OSError as cut:
                 log.error("metrics: could not cut %s back to %d bytes: %s", self.metrics_path, size, cut)
             raise _os_error(MetricsError, _metrics_message(self.metrics_path, "rows not written", err), err) from err
+        self.live.add(rows)
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
