@@ -117,9 +117,12 @@ def test_the_identity_pairs_each_key_with_its_value():
         data=SimpleNamespace(tasks="boolq", counts={"data-train": 3}),
         model_name="smollm2-135m-instruct",
         state=SimpleNamespace(nbytes=lambda: 42),
+        keeps_evaluation=False,
     )
     identity = ClientRuntime.identity(fake)  # type: ignore[arg-type]
     assert set(identity) == {*IDENTITY_KEYS, "data-train"}
+    kept = ClientRuntime.identity(SimpleNamespace(**{**vars(fake), "keeps_evaluation": True}))  # type: ignore[arg-type]
+    assert set(kept) == set(IDENTITY_KEYS)  # a member keeping its evaluation sends no count of its records
     assert identity["partition-id"] == 7 and identity["tasks"] == "boolq" and identity["data-train"] == 3
     assert identity["model"] == "smollm2-135m-instruct" and identity["state-bytes"] == 42
     assert identity["pid"] == os.getpid() and identity["peak-rss-mb"] > 0 and identity["state-restored"] == ""
