@@ -375,5 +375,13 @@ def progress_line(i: int, total: int, run: dict[str, Any], rows: list[dict[str, 
     )
 
 
+def exit_code(report: dict[str, Any]) -> int:
+    """1 when a run of the comparison failed (each failure is printed as it happens, with the run's reason)."""
+    failed = [f"{r['strategy']} seed {r['seed']}" for r in report.get("runs", []) if not r.get("ok")]
+    if failed:
+        print(f"[compare] {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main()))

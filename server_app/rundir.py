@@ -85,13 +85,16 @@ class RunDirectory:
         self.live = LiveCurves(self.path / "tensorboard", enabled=False)  # until ``watch``
 
     def watch(self, enabled: bool, fresh: bool) -> None:
-        """Send every round's rows to TensorBoard from now on (``server_app.live``); ``fresh``: a run starting over,
-        whose old curves go with its old metrics."""
+        """Send every round's rows to TensorBoard from now on (``server_app.live``). The curves are made anew:
+        ``fresh`` (a run starting over) with nothing, else (a resume) from the metrics kept, so that a round redone
+        after a kill is on them once."""
         directory = self.path / "tensorboard"
         self.live.close()
-        if fresh and directory.exists():
+        if directory.exists():
             shutil.rmtree(directory, ignore_errors=True)
         self.live = LiveCurves(directory, enabled)
+        if not fresh:
+            self.live.add(self.read_metrics())
 
     def check_writable(self) -> None:
         """Prove that the run can write its results now, before any node is asked for anything: a small file is

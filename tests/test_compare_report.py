@@ -575,3 +575,11 @@ def test_each_run_says_when_it_starts_and_how_long_the_rest_will_take():
     done = [{"ok": True, "wall_seconds": 240.0}, {"ok": True, "wall_seconds": 360.0}, {"ok": True, "reused": True}]
     # 300 s a run so far (the reused run took no time), this one and the three after it to go
     assert start_line(3, 6, "fedavg", 0, done).endswith("about 5 min a run so far, about 20 min left")
+
+
+def test_a_comparison_with_a_failed_run_exits_1_naming_it(capsys):
+    from bench.compare import exit_code
+
+    assert exit_code({"runs": [{"strategy": "local", "seed": 0, "ok": True}]}) == 0
+    assert exit_code({"runs": [{"strategy": "fedavg", "seed": 1, "ok": False}, {"strategy": "local", "ok": True}]}) == 1
+    assert "1 run(s) failed: fedavg seed 1" in capsys.readouterr().err

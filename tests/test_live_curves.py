@@ -48,18 +48,20 @@ def test_a_rounds_rows_become_points_and_non_numbers_do_not():
     assert not scalars([{"round": 1, "node": 3, "partition_id": 0, "eval_loss": float("nan")}])
 
 
-def test_curves_are_on_disk_each_round_fresh_for_a_new_run_and_continued_on_resume(tmp_path):
+def test_curves_are_on_disk_each_round_fresh_for_a_new_run_and_each_round_once_after_a_resume(tmp_path):
     run = RunDirectory(tmp_path / "run")
     run.watch(True, fresh=True)
     run.append_metrics(rows(0, 3.0))
     run.append_metrics(rows(1, 2.0))
     seen = [(t, v, s) for t, v, s in read_events(tmp_path / "run" / "tensorboard") if t == "client/0/eval_loss"]
     assert seen == [("client/0/eval_loss", 3.0, 0), ("client/0/eval_loss", 2.0, 1)]  # before the run ends
+    run.append_metrics(rows(2, 1.5))  # round 2's rows, then a kill before its checkpoint: resume redoes round 2
     resumed = RunDirectory(tmp_path / "run")
+    resumed.truncate_metrics_after(1)
     resumed.watch(True, fresh=False)
     resumed.append_metrics(rows(2, 1.0))
-    steps = [s for t, _, s in read_events(tmp_path / "run" / "tensorboard") if t == "client/0/eval_loss"]
-    assert steps == [0, 1, 2]
+    curve = [(s, v) for t, v, s in read_events(tmp_path / "run" / "tensorboard") if t == "client/0/eval_loss"]
+    assert curve == [(0, 3.0), (1, 2.0), (2, 1.0)]  # each round once, the redone round as redone
     again = RunDirectory(tmp_path / "run")
     again.watch(True, fresh=True)  # resume=false: the old curves go with the old metrics
     again.append_metrics(rows(0, 3.5))
