@@ -4,13 +4,14 @@ distinct tasks, 2 rounds; plain and SecAgg+; resume; an invalid config failing f
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from common.config import SecAggSection
-from deploy.local_sim import flwr_run, prepare_home, stop_superlink
+from deploy.local_sim import ROOT, flwr_env, flwr_run, prepare_home, stop_superlink
 from strategies.aggregation import secagg_error_bound
 
 pytestmark = pytest.mark.e2e
@@ -162,6 +163,23 @@ def test_invalid_config_fails_before_round_one_naming_the_key(flwr_home, tmp_pat
     # before round 1: no client was asked anything, no round was evaluated, nothing was written
     assert "clients:" not in output and "round 0:" not in output, output[-3000:]
     assert not run_dir.exists()
+
+
+def test_the_demo_script_exits_non_zero_naming_the_key_when_its_run_is_refused(tmp_path):
+    """`flwr run` exits 0 when the ServerApp refuses its run config; scripts/demo.sh asks the SuperLink how the run
+    ended (deploy.outcome) and fails with the reason."""
+    home = prepare_home(tmp_path / "home")  # its own SuperLink: the demo stops the one of its home when it ends
+    done = subprocess.run(
+        ["bash", "scripts/demo.sh", "num-server-rounds=-1"],
+        cwd=ROOT,
+        env=flwr_env(home),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert "num-server-rounds" in out and "finished:failed" in out, out[-3000:]
 
 
 def test_partition_sources_simulate_members_own_files_and_bad_data_leaves_its_node_out(flwr_home, tmp_path):
