@@ -372,3 +372,22 @@ def test_the_check_counts_every_bad_row_names_the_first_when_all_fail_and_says_w
     out = run_check(write_jsonl(tmp_path / "long.jsonl", long))
     assert out.returncode == 0 and "ready" in out.stdout
     assert "note: 40 of 40 prompts cut to data.max-prompt-chars (400)" in out.stdout, out.stdout
+
+
+def test_a_windows_1252_csv_is_refused_naming_its_line_and_the_fix(tmp_path):
+    path = tmp_path / "export.csv"
+    path.write_bytes("prompt,completion\nWhat is 2?,Two\nWhat is a café?,A drink\n".encode("cp1252"))
+    with pytest.raises(DataError, match=r"line 3 is not UTF-8 \(byte 13 of the line; a Windows-1252") as err:
+        read_file(path)
+    assert "iconv -f cp1252 -t utf-8" in err.value.detail and "same columns" not in err.value.detail
+    quoted = tmp_path / "quoted.csv"  # a quoted field over two lines still reads
+    quoted.write_bytes(b'\xef\xbb\xbfprompt,completion\n"Two\nlines",yes\n"One line",no\n')
+    assert [e.prompt for e in read_file(quoted).examples] == ["Two\nlines", "One line"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_file_of_blank_lines_is_said_to_hold_no_rows(tmp_path, suffix):
+    path = tmp_path / f"blank{suffix}"
+    path.write_text("\n\n\n")
+    with pytest.raises(DataError, match="the file holds no rows"):
+        read_file(path)

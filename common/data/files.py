@@ -290,6 +290,14 @@ def _csv_second_pass(path: Path, columns: list[str], max_row_chars: int) -> Iter
             yield {c: (named.get(c) or None) for c in columns}
 
 
+class NotUtf8(ValueError):
+    """A line of a CSV file that is not UTF-8: its number (from 1) and the first bad byte's offset in it."""
+
+    def __init__(self, line: int, byte: int) -> None:
+        super().__init__(f"line {line} is not UTF-8")
+        self.line, self.byte = line, byte
+
+
 class _csv_reader:
     """A ``csv.reader`` over the file (UTF-8, a byte-order mark allowed) whose fields may be as long as a row may;
     the module's field limit (a process-wide setting) is put back afterwards."""
@@ -298,9 +306,18 @@ class _csv_reader:
         self.path, self.limit = path, max_row_chars
 
     def __enter__(self) -> Iterator[list[str]]:
-        self.handle = open(self.path, encoding="utf-8-sig", newline="")
+        self.handle = open(self.path, "rb")
         self.old = csv.field_size_limit(self.limit + 1)  # a field is never held longer than a row may be
-        return csv.reader(self.handle)
+        return csv.reader(self._lines())
+
+    def _lines(self) -> Iterator[str]:
+        """The file's lines as text, decoded one at a time: a byte that is not UTF-8 is named by its line
+        (``NotUtf8``; a text decoder reading ahead would put it on the header)."""
+        for number, raw in enumerate(self.handle, 1):
+            try:
+                yield (raw.removeprefix(BOM) if number == 1 else raw).decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise NotUtf8(number, err.start) from None
 
     def __exit__(self, *exc: Any) -> None:
         csv.field_size_limit(self.old)
@@ -313,8 +330,12 @@ def _next_csv(path: Path, rows: Iterator[list[str]], number: int, max_row_chars:
         return next(rows)
     except StopIteration:
         return None
-    except UnicodeDecodeError:
-        raise _fail(path, f"{what} is not UTF-8", "Save the file as UTF-8.") from None
+    except NotUtf8 as err:
+        raise _fail(
+            path,
+            f"line {err.line} is not UTF-8 (byte {err.byte} of the line; a Windows-1252 or Latin-1 export?)",
+            "Save the file as UTF-8 (e.g. iconv -f cp1252 -t utf-8 in.csv > out.csv).",
+        ) from None
     except csv.Error as err:
         if "field larger than field limit" in str(err):
             raise _fail(

@@ -42,6 +42,8 @@ def detect_format(columns: list[str]) -> str:
     """The format the columns say (their names in any case: ``Prompt,Completion`` is prompt-completion), or a
     DataError listing what each format needs."""
     names = {str(c).strip().lower() for c in columns}
+    if not names:
+        raise DataError("the file holds no rows", "the file holds no rows (it is empty, or only blank lines)")
     if "messages" in names:
         return "chat"
     if "conversations" in names:
