@@ -38,7 +38,9 @@ def test_one_command_compares_two_strategies_on_the_same_clients(tmp_path):
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("[compare] ") == 3  # a progress line per run, then the report's path
+    # per run a line when it starts (the second with the time left) and one when it ends, then the report's path
+    assert proc.stdout.count("[compare] ") == 5, proc.stdout[-3000:]
+    assert "2/2 local seed 0: starting; about" in proc.stdout and "min left" in proc.stdout
     report = json.loads((out / "compare.json").read_text())
     assert all(run["ok"] for run in report["runs"]), report["runs"]
     final = {(r["strategy"], r["client"]): r for r in report["rows"] if r["round"] == 1}
