@@ -16,6 +16,7 @@ from typing import Any
 from common.config import RunConfig
 from common.jsonl import append_durably
 from common.reply_checks import KEPT_ON_NODE
+from common.section import true_or_false
 
 NODE_KEY = "keep-evaluation"
 
@@ -23,12 +24,9 @@ NODE_KEY = "keep-evaluation"
 def keeps_evaluation(node_config: dict[str, Any], cfg: RunConfig) -> bool:
     """Whether this member keeps its evaluation on its node: its own node config says so, or the run asks it to.
     ValueError naming the key (not the value) for a node-config value that is not true or false."""
-    value = node_config.get(NODE_KEY, False)
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        value = value.strip().lower() == "true"
-    if not isinstance(value, bool):
+    if (kept := true_or_false(node_config.get(NODE_KEY, False))) is None:
         raise ValueError(f"node-config {NODE_KEY}: expected true or false")
-    return value or cfg.eval.keep_on_node
+    return kept or cfg.eval.keep_on_node
 
 
 def kept_reply(metrics: dict[str, Any], directory: Path, partition_id: int, server_round: int) -> dict[str, Any]:

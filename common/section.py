@@ -37,11 +37,11 @@ class Section(BaseModel):
     def _true_or_false(cls, value: Any, info: ValidationInfo) -> Any:
         """A yes/no key is true or false (pydantic's lax mode would read 'yes', 'off', 1 or 0 as one)."""
         field = cls.model_fields.get(info.field_name or "")
-        if field is None or field.annotation is not bool or isinstance(value, bool):
+        if field is None or field.annotation is not bool:
             return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        raise ValueError(f"expected true or false (got {value!r})")
+        if (flag := true_or_false(value)) is None:
+            raise ValueError(f"expected true or false (got {value!r})")
+        return flag
 
     def check(self, cfg: RunConfig) -> None:
         """Checks across sections, run when this section's strategy or adapter is the run's. Raise ValueError
@@ -53,6 +53,16 @@ class Section(BaseModel):
 
 
 SectionT = TypeVar("SectionT", bound=Section)
+
+
+def true_or_false(value: Any) -> bool | None:
+    """A yes/no setting as written in a run or node config: a bool, or the words true / false in any case and
+    spacing; None for anything else (the caller names its key)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return None
 
 
 def split_csv(value: Any) -> Any:

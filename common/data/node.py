@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from common.core_sections import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
+from common.section import true_or_false
 
 from .bank import client_splits, load_task_bank
 from .example import DataError, Example
@@ -81,12 +82,9 @@ class ClientData:
 def run_config_paths_allowed(node_config: dict[str, Any], simulation: bool) -> bool:
     """Whether the run config may name files on this node: in simulation, or where node-config
     ``allow-run-config-paths`` is true."""
-    value = node_config.get(ALLOW_PATHS_KEY, False)
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        value = value.strip().lower() == "true"
-    if not isinstance(value, bool):
+    if (allowed := true_or_false(node_config.get(ALLOW_PATHS_KEY, False))) is None:
         raise DataError(f"node config {ALLOW_PATHS_KEY}: expected true or false")
-    return simulation or value
+    return simulation or allowed
 
 
 def source_is_path(source: str) -> bool:
