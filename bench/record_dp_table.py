@@ -50,26 +50,51 @@ def client_losses(rows: Sequence[Row], strategy: str, server_round: int) -> dict
     return out
 
 
-def privacy_spent(report_dir: Path, strategies: Sequence[str]) -> dict[str, dict[str, list[float]]]:
-    """label -> the last round's ``dp_record_epsilon`` / ``_noise_multiplier`` / ``_sampling_rate`` over every
-    member and seed, from the runs' metrics beside the report (or its stored ``record-dp.json``)."""
-    stored = report_dir / "record-dp.json"
-    out: dict[str, dict[str, list[float]]] = {}
-    for label in strategies:
-        folder = report_dir / "runs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
-        for metrics in sorted(folder.glob("seed-*/metrics.jsonl")):
+SPENT_KEYS = ("dp_record_epsilon", "dp_record_noise_multiplier", "dp_record_sampling_rate")
+
+
+def _run_dirs(report_dir: Path, report: dict[str, Any], label: str) -> dict[str, Path]:
+    """seed -> the run directory of ``label`` that seed ran in: the report's own ``runs/`` and, for runs a report
+    merged from another comparison (``bench.compare --merge``), the directory each run names."""
+    folder = report_dir / "runs" / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+    dirs = {path.name.removeprefix("seed-"): path for path in sorted(folder.glob("seed-*"))}
+    for run in report.get("runs", []):
+        if run.get("strategy") == label and run.get("run_dir"):
+            dirs.setdefault(str(run["seed"]), Path(run["run_dir"]))
+    return dirs
+
+
+def privacy_spent(
+    report_dir: Path, report: dict[str, Any], stored_files: Sequence[Path] = ()
+) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """label -> seed -> the last round's ``dp_record_epsilon`` / ``_noise_multiplier`` / ``_sampling_rate`` of
+    every member, from the runs' metrics; a seed whose run directory is gone keeps what a stored ``record-dp.json``
+    holds for it (the report's own, then ``stored_files``: a stored report re-renders without its runs)."""
+    stored: dict[str, Any] = {}
+    for path in [*stored_files, report_dir / "record-dp.json"]:  # the report's own wins
+        if path.exists():
+            stored.update(json.loads(path.read_text()).get("spent", {}))
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for label in (s["label"] for s in report["strategies"]):
+        kept = stored.get(label, {})
+        if kept and all(isinstance(v, list) for v in kept.values()):  # written before seeds were told apart
+            kept = {"stored": kept}
+        by_seed = {seed: dict(values) for seed, values in kept.items()}
+        for seed, run_dir in _run_dirs(report_dir, report, label).items():
+            metrics = run_dir / "metrics.jsonl"
+            if not metrics.exists():
+                continue
             rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             last = max((r["round"] for r in rows), default=0)
-            for r in rows:
-                if r["round"] == last and r.get("dp_record_epsilon") is not None:
-                    for key in ("dp_record_epsilon", "dp_record_noise_multiplier", "dp_record_sampling_rate"):
-                        out.setdefault(label, {}).setdefault(key, []).append(float(r[key]))
-    if not out and stored.exists():
-        return json.loads(stored.read_text()).get("spent", {})
+            found = [r for r in rows if r["round"] == last and r.get("dp_record_epsilon") is not None]
+            if found:
+                by_seed[seed] = {key: [float(r[key]) for r in found] for key in SPENT_KEYS}
+        if by_seed:
+            out[label] = by_seed
     return out
 
 
-def table_rows(report: dict[str, Any], spent: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
+def table_rows(report: dict[str, Any], spent: dict[str, dict[str, dict[str, list[float]]]]) -> list[dict[str, Any]]:
     """One record per strategy of the report: its configuration, epsilon, losses and verdicts (see the module)."""
     rows: list[Row] = report["rows"]
     labels = [s["label"] for s in report["strategies"]]
@@ -96,8 +121,10 @@ def table_rows(report: dict[str, Any], spent: dict[str, dict[str, list[float]]])
         if epsilon is not None and reference is not None and final:
             interval = seed_aware_interval(final, example_losses(rows, reference), mean_client)
             record["vs_no_dp"], record["vs_no_dp_verdict"] = str(interval), interval.verdict
-        for key, values in spent.get(label, {}).items():
-            record[key] = [min(values), max(values)]
+        for key in SPENT_KEYS:
+            values = [v for by_key in spent.get(label, {}).values() for v in by_key.get(key, [])]
+            if values:
+                record[key] = [min(values), max(values)]
         out.append(record)
     return out
 
@@ -146,12 +173,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--command", default="", help="the command that made the comparisons (shown above the table)")
     args = parser.parse_args(argv)
     records, spent_all = [], {}
+    out = Path(args.out or args.reports[0])
     for folder in map(Path, args.reports):
         report = json.loads((folder / "compare.json").read_text())
-        spent = privacy_spent(folder, [s["label"] for s in report["strategies"]])
+        spent = privacy_spent(folder, report, [out / "record-dp.json"])
         spent_all.update(spent)
         records += table_rows(report, spent)
-    out = Path(args.out or args.reports[0])
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(records, args.command or f"python -m bench.record_dp_table {' '.join(args.reports)}")
     (out / "record-dp.md").write_text(table)

@@ -72,3 +72,30 @@ def test_the_table_says_who_learned_and_how_far_from_no_dp(tmp_path):
     (run / "metrics.jsonl").unlink()
     again = {r["strategy"]: r for r in main([str(tmp_path)])}
     assert again["fedavg:dp.record-epsilon=8"]["dp_record_epsilon"] == [7.5, 7.5]
+
+
+def test_a_merged_report_reads_each_runs_own_directory_and_keeps_what_is_stored_for_the_rest(tmp_path):
+    """``bench.compare --merge``: seed 2 ran into another comparison's directory (named by the report's run), seeds
+    0-1 are gone and their spending comes from the stored table the new one replaces."""
+    label = "fedavg:dp.record-epsilon=8"
+    rows = [r for seed in (0, 1, 2) for r in _rows(label, seed, {0: {0: 0.0, 1: -1.0}, 1: {0: 0.0, 1: -1.0}})]
+    elsewhere = tmp_path / "other" / "seed-2"
+    elsewhere.mkdir(parents=True)
+    line = {"round": 1, "dp_record_epsilon": 7.9, "dp_record_noise_multiplier": 0.44, "dp_record_sampling_rate": 0.01}
+    (elsewhere / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    report = {
+        "strategies": [{"label": label}],
+        "rows": rows,
+        "runs": [{"strategy": label, "seed": 2, "run_dir": str(elsewhere)}],
+    }
+    merged, stored = tmp_path / "merged", tmp_path / "stored"
+    merged.mkdir()
+    stored.mkdir()
+    (merged / "compare.json").write_text(json.dumps(report))
+    old = {label: {"dp_record_epsilon": [8.0], "dp_record_noise_multiplier": [0.43], "dp_record_sampling_rate": [0.01]}}
+    (stored / "record-dp.json").write_text(json.dumps({"spent": old}))
+    record = main([str(merged), "--out", str(stored)])[0]
+    assert record["dp_record_epsilon"] == [7.9, 8.0] and record["dp_record_noise_multiplier"] == [0.43, 0.44]
+    # rendered again from what it stored, with seed 2's directory gone: the same
+    (elsewhere / "metrics.jsonl").unlink()
+    assert main([str(merged), "--out", str(stored)])[0]["dp_record_epsilon"] == [7.9, 8.0]
