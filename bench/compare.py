@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare_merge import machine, machine_line, merge_report, round_zero_rows, split_rule, with_merged
+from bench.compare_plot import plot
 from bench.compare_runs import (
     borrows_round_zero,
     default_settings,
@@ -36,7 +37,7 @@ from bench.compare_runs import (
 )
 from bench.numeric_path import lendable, numeric_path, with_paths
 from bench.presets import PRESETS, preset, toml_value
-from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise, worst_by_round
+from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise
 from bench.verdicts import verdict_tables
 from common.data.split import SPLIT_RULE
 
@@ -152,57 +153,8 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
     if failed:
         text += ["Failed runs:", "", *[f"- {f}" for f in failed], ""]
     (out / "compare.md").write_text("\n".join(text))
-    plot(rows, out / "compare.png")
+    plot(rows, out / "compare.png")  # bench.compare_plot
     return verdicts
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Left: final loss per client by strategy (mean over seeds, spread as error bars). Right: worst-client loss per
-    round."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.ticker import MaxNLocator
-
-    from bench.report import client_metric, final_round, over_seeds, strategies_in
-
-    strategies = strategies_in(rows)
-    clients = sorted({r["client"] for r in rows})
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(len(strategies), 1)
-    for i, strategy in enumerate(strategies):
-        mine = [r for r in rows if r["strategy"] == strategy]
-        seeds = sorted({r["seed"] for r in mine})
-        finals = [
-            client_metric(mine, strategy, s, final_round([r for r in mine if r["seed"] == s]), "eval_loss")
-            for s in seeds
-        ]
-        stats = [over_seeds(f.get(c, float("nan")) for f in finals) for c in clients]
-        left.bar(
-            np.arange(len(clients)) + i * width,
-            [s.mean for s in stats],
-            width,
-            yerr=[s.spread for s in stats],
-            label=strategy,
-        )
-        by_round = worst_by_round(rows, strategy)
-        rounds = sorted(by_round)
-        right.errorbar(
-            rounds, [by_round[r].mean for r in rounds], yerr=[by_round[r].spread for r in rounds], label=strategy
-        )
-    left.set_xticks(np.arange(len(clients)) + 0.4 - width / 2, [f"client {c}" for c in clients])
-    left.set_ylabel("final held-out loss")
-    left.set_title("per client")
-    right.set_xlabel("round")
-    right.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-    right.set_ylabel("worst client's held-out loss")
-    right.set_title("worst client per round")
-    left.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
