@@ -41,7 +41,10 @@ def client_labels(rows: Sequence[dict[str, Any]], clients: Sequence[int]) -> lis
     """``client 3`` with its tasks beneath, wrapped (from the rows' ``tasks``), as the x-axis names them."""
     tasks = {r["client"]: str(r["tasks"]).replace(",", ", ") for r in rows if r.get("tasks")}
     width = max(8, 96 // max(len(clients), 1))  # characters a line, so that neighbours' names do not overlap
-    return [f"client {c}\n{textwrap.fill(tasks[c], width)}" if c in tasks else f"client {c}" for c in clients]
+    return [
+        f"client {c}\n{textwrap.fill(tasks[c], width, break_long_words=False)}" if c in tasks else f"client {c}"
+        for c in clients
+    ]
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
