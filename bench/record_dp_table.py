@@ -121,12 +121,26 @@ def table_rows(report: dict[str, Any], spent: dict[str, dict[str, dict[str, list
         if epsilon is not None and reference is not None and final:
             interval = seed_aware_interval(final, example_losses(rows, reference), mean_client)
             record["vs_no_dp"], record["vs_no_dp_verdict"] = str(interval), interval.verdict
+        alone = _local_label(label, labels)
+        if alone is not None and final:  # what sharing adds (or costs) at the same budget
+            interval = seed_aware_interval(final, example_losses(rows, alone), mean_client)
+            record["vs_local"], record["vs_local_verdict"] = str(interval), interval.verdict
         for key in SPENT_KEYS:
             values = [v for by_key in spent.get(label, {}).values() for v in by_key.get(key, [])]
             if values:
                 record[key] = [min(values), max(values)]
         out.append(record)
     return out
+
+
+def _local_label(label: str, labels: Sequence[str]) -> str | None:
+    """The local-only run at ``label``'s record-level epsilon (``local`` for no DP), when the report has it and
+    ``label`` is not local-only itself."""
+    base, epsilon = split_label(label)
+    if base.partition(":")[0] == "local":
+        return None
+    matches = [x for x in labels if split_label(x) == ("local", epsilon)]
+    return matches[0] if matches else None
 
 
 def _spread(by_seed: dict[int, dict[int, float]], statistic) -> str:
@@ -139,18 +153,21 @@ def markdown(records: Sequence[dict[str, Any]], command: str) -> str:
     head = (
         "| configuration | record-level epsilon | seeds | mean client loss (round 0 -> last) | worst client | "
         "clients learned (resolved) | least learning client: last - round 0 [95%] | mean client - same without DP "
-        "[95%] | z (noise multiplier) | epsilon spent |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "[95%] | mean client - local-only at the same epsilon [95%] | z (noise multiplier) | epsilon spent |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in sorted(records, key=lambda r: (r["configuration"], -(r["epsilon"] or 1e9))):
         epsilon = "none" if r["epsilon"] is None else f"{r['epsilon']:g}"
         vs = f"{r['vs_no_dp']} {r['vs_no_dp_verdict']}" if "vs_no_dp" in r else "–"
+        alone = f"{r['vs_local']} {r['vs_local_verdict']}" if "vs_local" in r else "–"
         z, spent = r.get("dp_record_noise_multiplier"), r.get("dp_record_epsilon")
         noise = f"{z[0]:.3f}-{z[1]:.3f}" if z else "–"
         used = f"{spent[0]:.2f}-{spent[1]:.2f}" if spent else "–"
         lines.append(
             f"| `{r['configuration']}` | {epsilon} | {r['seeds']} | {r['round_0_mean_client']} -> {r['mean_client']} "
             f"| {r['worst_client']} | {r['clients_learned']} of {r['clients']} | {r['least_learned'] or '–'} | {vs} "
+            f"| {alone} "
             f"| {noise} | {used} |"
         )
     return f"```bash\n{command}\n```\n\n" + head + "\n".join(lines) + "\n"

@@ -65,6 +65,7 @@ def test_the_table_says_who_learned_and_how_far_from_no_dp(tmp_path):
     assert private_record["clients_learned"] == 1 and private_record["clients"] == 2
     assert private_record["vs_no_dp_verdict"] == "worse"  # 0.35 nats above no DP on the mean client
     assert private_record["dp_record_epsilon"] == [7.5, 7.5]
+    assert "vs_local" not in private_record  # no local-only run in this report to set it beside
     page = doc.read_text()
     assert page.startswith("before\n") and page.endswith(f"{END}\nafter\n") and "old" not in page
     assert "| `fedavg` | 8 | 3 |" in page and "1 of 2" in page
@@ -99,3 +100,15 @@ def test_a_merged_report_reads_each_runs_own_directory_and_keeps_what_is_stored_
     # rendered again from what it stored, with seed 2's directory gone: the same
     (elsewhere / "metrics.jsonl").unlink()
     assert main([str(merged), "--out", str(stored)])[0]["dp_record_epsilon"] == [7.9, 8.0]
+
+
+def test_a_shared_configuration_is_set_beside_local_only_at_the_same_epsilon(tmp_path):
+    """What sharing adds under one budget: fedavg at epsilon 8 beside local at epsilon 8 (not local without DP)."""
+    alone, shared = {0: {0: 0.0, 1: -0.2}, 1: {0: 0.0, 1: -0.2}}, {0: {0: 0.0, 1: -0.6}, 1: {0: 0.0, 1: -0.6}}
+    labels = ["local", "local:dp.record-epsilon=8", "fedavg:dp.record-epsilon=8"]
+    worlds = [{0: {0: 0.0, 1: -1.0}, 1: {0: 0.0, 1: -1.0}}, alone, shared]
+    rows = [r for seed in (0, 1, 2) for label, w in zip(labels, worlds) for r in _rows(label, seed, w)]
+    (tmp_path / "compare.json").write_text(json.dumps({"strategies": [{"label": x} for x in labels], "rows": rows}))
+    records = {r["strategy"]: r for r in main([str(tmp_path)])}
+    assert records["fedavg:dp.record-epsilon=8"]["vs_local_verdict"] == "better"  # 0.2 nats below on the mean client
+    assert "vs_local" not in records["local:dp.record-epsilon=8"] and "vs_local" not in records["local"]
