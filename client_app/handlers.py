@@ -109,7 +109,7 @@ def train(msg: Message, context: Context) -> Message:
     rt.adapter.prepare_training()
     server_round = int(config.get(SERVER_ROUND, 1))
     settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
-    lr = round_learning_rate(settings, server_round, int(config.get("num-server-rounds", rt.cfg.num_server_rounds)))
+    lr = round_learning_rate(settings, server_round, rt.cfg.num_server_rounds)
     log.info(
         "node %s (partition %d) round %d: training %d steps, lr %.2e",
         context.node_id,

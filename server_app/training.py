@@ -76,8 +76,9 @@ def train_round(
 
 
 def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:
-    """What every train instruction of the round says: the round and how many there are."""
-    return {SERVER_ROUND: server_round, "num-server-rounds": cfg.num_server_rounds}
+    """What every train instruction of the round says: its round (how many there are, the client reads from the
+    run config both halves are given)."""
+    return {SERVER_ROUND: server_round}
 
 
 def reply_limits(cfg: RunConfig, max_update_norm: float | None = None) -> ReplyLimits:
