@@ -71,22 +71,25 @@ def heading(report: dict[str, Any], link: str) -> str:
 
 
 def primary_table(report: dict[str, Any], link: str) -> str:
-    """Worst client of every pair (primary claims with their Holm p; the rest exploratory), the mean client and
-    the per-client counts beside it."""
+    """Every pair on the statistic the preset declared primary (``Preset.primary``: the worst client, or the mean
+    client; primary claims with their Holm p, the rest exploratory), the other statistic beside it (exploratory)
+    and the per-client counts."""
     by_pair = records_by_pair(report.get("verdicts", []))
     references = primary_references(report)
+    declared = (report.get("primary") or {}).get("statistic", "worst client")
+    beside = "mean client" if declared == "worst client" else "worst client"
     lines = [
         heading(report, link),
         "",
         target_status(report.get("verdicts", []), references),
         "",
-        "| A − B | worst client, per seed | worst client [95 %, seed-aware] | p (bootstrap / t) | Holm p | verdict "
-        "| mean client [95 %] (exploratory) | clients better / worse |",
+        f"| A − B | {declared}, per seed | {declared} [95 %, seed-aware] | p (bootstrap / t) | Holm p | verdict "
+        f"| {beside} [95 %] (exploratory) | clients better / worse |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    worst = [v for v in report.get("verdicts", []) if v["statistic"] == "worst client"]
-    for record in sorted(worst, key=lambda v: not v.get("primary")):
-        mean = by_pair.get((record["a"], record["b"], "mean client"))
+    headline = [v for v in report.get("verdicts", []) if v["statistic"] == declared]
+    for record in sorted(headline, key=lambda v: not v.get("primary")):
+        other = by_pair.get((record["a"], record["b"], beside))
         clients = by_pair.get((record["a"], record["b"], "per client"), {}).get("clients", {})
         counts = [c["verdict"] for c in clients.values()]
         t_p = "–" if record.get("t_p") is None else f"{record['t_p']:.2g}"
@@ -97,7 +100,7 @@ def primary_table(report: dict[str, Any], link: str) -> str:
             f"{record['p']:.2g} / {t_p}",
             f"{record['holm_p']:.2g}" if record.get("primary") else "– (exploratory)",
             verdict_text(record),
-            f"{interval(mean)} {verdict_text(mean)}" if mean else "–",
+            f"{interval(other)} {verdict_text(other)}" if other else "–",
             f"{counts.count('better')} / {counts.count('worse')}",
         ]
         lines.append("| " + " | ".join(cells) + " |")

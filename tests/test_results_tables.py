@@ -81,6 +81,23 @@ def test_a_table_edited_by_hand_is_caught_and_rewritten_from_its_report(site):
     assert "[report](docs/results/r/compare.md)" in text and "numeric path: cpu, nf4, eval in fp32" in text
 
 
+def test_a_preset_that_declares_the_mean_client_primary_has_it_as_the_corrected_column(site):
+    root, readme = site
+    path = root / "docs" / "results" / "r" / "compare.json"
+    report = json.loads(path.read_text())
+    report["primary"] = {"statistic": "mean client", "references": ["local"]}
+    report["verdicts"][1:3] = [
+        _record("dual", "local", "worst client", -0.05, "better"),
+        _record("dual", "local", "mean client", -0.04, "better", primary=True, holm_p=0.02),
+    ]
+    path.write_text(json.dumps(report))
+    lines = render_page(readme, root).splitlines()
+    assert "| A − B | mean client, per seed | mean client [95 %, seed-aware] | p (bootstrap / t) | Holm p | verdict " \
+           "| worst client [95 %] (exploratory) | clients better / worse |" in lines  # fmt: skip
+    assert "| dual − local | -0.040, -0.040, -0.040 | -0.040 [-0.050, -0.030] | 0.001 / 0.002 | 0.02 | **better** " \
+           "| -0.050 [-0.060, -0.040] **better** | 1 / 0 |" in lines  # fmt: skip
+
+
 def test_before_after_says_which_verdicts_still_stand(site):
     root, readme = site
     text = render_page(readme, root)
