@@ -10,6 +10,7 @@ import itertools
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,13 +301,19 @@ def _gpu_peak(device) -> dict[str, float]:
 
 
 def token_counts(
-    tokenizer, examples: list[Example], max_len: int, limit: int = 0, batch: int = 1000
+    tokenizer,
+    examples: list[Example],
+    max_len: int,
+    limit: int = 0,
+    batch: int = 1000,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[int, int, int]:
     """(tokens, examples over ``max_len``, examples counted) of the examples as training sees them, counted cheaply
     for a large file: every turn's text is tokenised in batches (the fast tokenizer, no template rendering per
     example) and the template's own tokens per turn are added, measured once on an empty conversation. ``limit``
     > 0: at most that many examples, evenly spaced, are counted and the totals scaled to all of them (tokenising
-    200,000 conversations takes ~26 s on 2 cores; the third number says how many were counted)."""
+    200,000 conversations takes ~26 s on 2 cores; the third number says how many were counted). ``progress``:
+    called with (examples counted so far, examples to count) after each batch."""
     if not examples:
         return 0, 0, 0
     counted = examples[:: -(-len(examples) // limit)] if limit and len(examples) > limit else examples
@@ -322,5 +329,7 @@ def token_counts(
             n = sum(next(lengths) for _ in range(turns)) + per_pair * (turns + 1) // 2
             tokens += n
             over += n > max_len
+        if progress is not None:
+            progress(start + len(chunk), len(counted))
     scale = len(examples) / len(counted)
     return round(tokens * scale), round(over * scale), len(counted)

@@ -204,7 +204,8 @@ def run_round(grid: Grid, context: Context, fed: Federation, server_round: int) 
     rows = _round_rows(fed, parts, time.perf_counter() - aggregate_started, bound, report_rows, sampled)
     evaluate_round(grid, cfg, strategy, fed.run, server_round, evaluated, rows, started, _partitions(fed.clients))
     _checkpoint(fed.run, server_round, strategy, _checkpoint_meta(cfg, fed.node_ids, fed.admission, fed.ledger))
-    strategy.plot_round(server_round, rows[None], fed.run.path)  # optional: after the checkpoint
+    plotted = strategy.plot_round(server_round, rows[None], fed.run.path)  # optional: after the checkpoint
+    fed.run.live.add_images(server_round, plotted, fed.run.path)
 
 
 def _without_means_below_quorum(cfg: RunConfig, server_round: int, results: list[GroupResult]) -> list[GroupResult]:

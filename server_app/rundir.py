@@ -94,7 +94,9 @@ class RunDirectory:
             shutil.rmtree(directory, ignore_errors=True)
         self.live = LiveCurves(directory, enabled)
         if not fresh:
-            self.live.add(self.read_metrics())
+            kept = self.read_metrics()
+            self.live.add(kept)
+            self.live.add_kept_images(self.path, max((int(row["round"]) for row in kept), default=-1))
 
     def check_writable(self) -> None:
         """Prove that the run can write its results now, before any node is asked for anything: a small file is

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +111,55 @@ def test_resume_continues_after_the_last_completed_round(plain_run):
     assert after[: len(before)] == before  # earlier rounds untouched, round 0 not re-run
     assert [r["round"] for r in after[len(before) :]] == [2] * 4  # one new round: 3 clients + aggregate
     assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["round"] == 2
+    # the live curves, as TensorBoard reads them: every client's held-out loss at each round once, 0 and 1 from
+    # before the resume
+    curves = client_loss_curves(run_dir)
+    assert len(curves) == 3 and all(steps == [0, 1, 2] for steps in curves.values()), curves
+
+
+def client_loss_curves(run_dir: Path) -> dict[str, list[int]]:
+    """client/<partition> -> the rounds of its eval_loss curve, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    return {
+        tag.rsplit("/", 1)[0]: [e.step for e in board.Scalars(tag)]
+        for tag in board.Tags()["scalars"]
+        if tag.startswith("client/") and tag.endswith("/eval_loss")
+    }
+
+
+def last_round(run_dir: Path) -> int:
+    """The last round with rows in a running run's metrics.jsonl (-1 before round 0's; a line being written is
+    not read)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # whole lines end with a newline
+    return max((json.loads(line)["round"] for line in lines if line.strip()), default=-1)
+
+
+def test_an_operator_sees_each_round_on_the_board_while_the_next_one_trains(flwr_home, tmp_path):
+    """A 3-client, 3-round run watched as it goes: as soon as round 1's (then 2's) rows are in metrics.jsonl, and
+    before the next round's are, TensorBoard's reader finds that round's held-out loss for every client."""
+    run_dir, finished = tmp_path / "run", {}
+
+    def run() -> None:
+        finished["proc"] = flwr_run(flwr_home, f"{FAST} num-server-rounds=3 run-dir='{run_dir}'")
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    seen: dict[int, dict[str, list[int]]] = {}
+    while thread.is_alive():
+        done = last_round(run_dir)
+        if done in (1, 2) and done not in seen:
+            curves = client_loss_curves(run_dir)
+            if last_round(run_dir) == done:  # the next round still going
+                seen[done] = curves
+        time.sleep(0.2)
+    thread.join()
+    assert finished["proc"].returncode == 0, finished["proc"].stderr[-3000:]
+    assert sorted(seen) == [1, 2], "the run was not caught between rounds"
+    for done, curves in seen.items():
+        assert len(curves) == 3 and all(steps == list(range(done + 1)) for steps in curves.values()), curves
 
 
 def test_fedavg_secure_matches_plain(plain_run, flwr_home, tmp_path):

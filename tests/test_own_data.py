@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from common.config import DataSection
-from common.data import DataError, load_client_data, own_data
+from common.data import DataError, Example, load_client_data, own_data
 from common.data.files import read_file
 
 QA = [(f"What is the capital of country number {i}?", f"City {i}.") for i in range(40)]
@@ -391,3 +391,20 @@ def test_a_file_of_blank_lines_is_said_to_hold_no_rows(tmp_path, suffix):
     path.write_text("\n\n\n")
     with pytest.raises(DataError, match="the file holds no rows"):
         read_file(path)
+
+
+def test_a_long_token_count_says_how_far_it_is_and_a_short_one_says_nothing(capsys):
+    from common.data.__main__ import Progress
+    from common.model import load_tokenizer
+    from common.training import token_counts
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    examples = [Example("qa", q, a) for q, a in QA] * 5
+    seen: list[tuple[int, int]] = []
+    tokens, _, counted = token_counts(tokenizer, examples, 512, batch=40, progress=lambda *n: seen.append(n))
+    assert counted == len(examples) and tokens > 0
+    assert seen == [(40 * i, len(examples)) for i in range(1, len(examples) // 40 + 1)]
+    Progress("counting tokens", every=60)(40, 200)  # a count that ends within a minute: no line
+    assert capsys.readouterr().err == ""
+    Progress("counting tokens", every=0)(40, 200)
+    assert capsys.readouterr().err.startswith("counting tokens: 40 of 200 (20%; about ")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -101,7 +102,26 @@ def _tokenizer(model: str):
         ) from None
 
 
+class Progress:
+    """A line on stderr at most every ``every`` seconds while a long count goes on (a large file's tokens), so that
+    a check of millions of rows says it is working and how far it is; nothing for a count that ends sooner."""
+
+    def __init__(self, what: str, every: float = 5.0) -> None:
+        self.what, self.every = what, every
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every and done < total:
+            self.last = now
+            left = (now - self.started) / done * (total - done)
+            print(f"{self.what}: {done:,} of {total:,} ({done / total:.0%}; about {left:.0f} s left)", file=sys.stderr)
+
+
 def _check(args: argparse.Namespace, cfg: DataSection, tokenizer) -> int:
+    size = Path(args.path).stat().st_size if Path(args.path).is_file() else 0
+    if size > 50_000_000:
+        print(f"reading {size / 1e6:,.0f} MB ...", file=sys.stderr)
     loose = read_file(args.path, args.format, cfg.max_prompt_chars, cfg.max_row_chars, strict=False)
     print(f"format: {loose.format}")
     if loose.problems:
@@ -123,7 +143,8 @@ def _check(args: argparse.Namespace, cfg: DataSection, tokenizer) -> int:
     from common.training import token_counts
 
     examples = [e for part in splits.values() for e in part]
-    tokens, over, _ = token_counts(tokenizer, examples, args.max_seq_len)  # every example: the check may take time
+    # every example: on a large file this takes a while, and says how far it is
+    tokens, over, _ = token_counts(tokenizer, examples, args.max_seq_len, progress=Progress("counting tokens"))
     print(
         f"tokens ({args.model}): {tokens:,}, {tokens / max(len(examples), 1):.0f} an example; {over:,} over "
         f"train.max-seq-len {args.max_seq_len} (cut from the left, the last answer kept)"
