@@ -146,7 +146,7 @@ class Strategy(ABC):
     Attributes:
         name: the run-config value that selects the strategy (its registry entry).
         wants_reports: True if the ServerApp must ask every client for a report before training (every round unless
-            ``wants_report`` says otherwise).
+            ``report_nodes`` says otherwise).
         reply_metrics: train-reply metrics the client half adds, copied into the per-node rows of metrics.jsonl
             (name -> element type of a list metric, or None for a number).
         aggregates: False for a strategy whose groups send the server no adapter (local-only training): its
@@ -168,15 +168,11 @@ class Strategy(ABC):
         """Add clients (node id -> info): those connected before round 1, and later any node that joins (a restarted
         SuperNode has a new node id). Raises ValueError if they cannot take part (e.g. incompatible adapters)."""
 
-    def wants_report(self, server_round: int) -> bool:
-        """Whether the ServerApp asks every client for a report before this round's training (default:
-        ``wants_reports``, every round; fingerprint strategies ask only on the rounds they re-cluster)."""
-        return self.wants_reports
-
     def report_nodes(self, server_round: int, node_ids: list[int]) -> list[int]:
-        """Which of this round's (sampled) nodes the ServerApp asks for a report (default: all of them when
-        ``wants_report``; fingerprint strategies ask, between refreshes, only the clients without a fingerprint)."""
-        return list(node_ids) if self.wants_report(server_round) else []
+        """Which of this round's (sampled) nodes the ServerApp asks for a report before training (default: all of
+        them when ``wants_reports``, every round; fingerprint strategies ask on the rounds they re-cluster, and
+        between them only the clients without a fingerprint)."""
+        return list(node_ids) if self.wants_reports else []
 
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> Any:
         """Validate and decode one client's report (raise ValueError with the reason to leave it out)."""

@@ -13,6 +13,11 @@ from strategies.mira import Mira, MiraSection
 SHAPES = {"a": (3, 2), "b": (4,)}
 
 
+def asks_anyone(strategy, server_round: int) -> bool:
+    """Whether the strategy asks any of its clients for a report before this round (all of them sampled)."""
+    return bool(strategy.report_nodes(server_round, sorted(strategy.partition_of)))
+
+
 def initial():
     return {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
 
@@ -46,7 +51,7 @@ def run_round(strategy, n, server_round=1):
 def mira(n, secure=False, models=("small",), **cfg):
     strategy = Mira(MiraSection(**cfg), FingerprintSection(), secure=secure)
     strategy.initialise(clients(n, models))
-    assert strategy.wants_report(1)
+    assert asks_anyone(strategy, 1)
     strategy.observe_reports(1, {100 + i: report(i) for i in range(n)})
     return strategy
 
@@ -64,7 +69,7 @@ def test_plaintext_neighbour_terms_give_the_exact_laplacian_step():
             np.testing.assert_allclose(stepped[k], exact[i][k], rtol=1e-5, atol=1e-6)
     # the same-task neighbours carry most of the weight
     assert a[0, 2] + a[0, 4] > 0.9
-    assert not strategy.wants_report(2)  # refresh-every 0: fingerprints once
+    assert not asks_anyone(strategy, 2)  # refresh-every 0: fingerprints once
 
 
 def test_secure_groups_have_three_members_and_mix_group_means():
@@ -106,7 +111,7 @@ def test_a_bad_or_mismatched_fingerprint_is_left_out_and_the_round_goes_on():
     assert list(left_out) == [103] and "7 numbers" in left_out[103]
     groups = run_round(strategy, 4)
     assert sorted(m for g in groups for m in g.members) == [100, 101, 102]
-    assert strategy.wants_report(2)  # asked again while partition 3 has no fingerprint
+    assert asks_anyone(strategy, 2)  # asked again while partition 3 has no fingerprint
 
 
 def test_checkpoint_keeps_the_graph_and_the_neighbour_terms():
@@ -117,7 +122,7 @@ def test_checkpoint_keeps_the_graph_and_the_neighbour_terms():
     resumed.initialise(clients(5))
     resumed.load_state_dict(state)
     np.testing.assert_allclose(resumed.adjacency["small"], strategy.adjacency["small"])
-    assert not resumed.wants_report(2)
+    assert not asks_anyone(resumed, 2)
     for i in range(5):
         for k in SHAPES:
             np.testing.assert_array_equal(resumed.eval_arrays(100 + i)[k], strategy.eval_arrays(100 + i)[k])
@@ -164,12 +169,12 @@ def test_under_sampling_fingerprints_join_as_clients_are_first_sampled_and_absen
     kept = {p: strategy.reports[p].fingerprint.copy() for p in (0, 1, 2, 3)}
 
     second = [101, 103, 104, 105]
-    assert strategy.wants_report(2) and strategy.report_nodes(2, second) == [104, 105]  # 101 and 103 have one
+    assert asks_anyone(strategy, 2) and strategy.report_nodes(2, second) == [104, 105]  # 101 and 103 have one
     strategy.observe_reports(2, {104: report(4, seed=9), 105: report(5, seed=9)})
     assert strategy.members["small"] == list(range(6))
     for p, fingerprint in kept.items():  # not asked again, not dropped: partitions 0 and 2 sat round 2 out
         np.testing.assert_array_equal(strategy.reports[p].fingerprint, fingerprint)
-    assert not strategy.wants_report(3) and strategy.report_nodes(3, [100, 102]) == []
+    assert not asks_anyone(strategy, 3) and strategy.report_nodes(3, [100, 102]) == []
     groups = strategy.train_groups(2, second)
     assert sorted(m for g in groups for m in g.members) == second  # only the sampled train
     means = {g.name: trained(g.members[0] - 100) for g in groups}

@@ -125,10 +125,6 @@ class FingerprintStrategy(Strategy):
         ``refresh_every`` rounds)."""
         return server_round == 1 or (self.refresh_every > 0 and (server_round - 1) % self.refresh_every == 0)
 
-    def wants_report(self, server_round: int) -> bool:
-        # and again while a client's fingerprint is missing (it was left out, not sampled yet, or it joined late)
-        return self.refreshes(server_round) or any(p not in self.reports for p in self.family_of_partition)
-
     def report_nodes(self, server_round: int, node_ids: list[int]) -> list[int]:
         """On a refresh round every sampled client; between refreshes only the sampled clients without a
         fingerprint. A fingerprint is taken at the run's initial adapter, so it describes the client's data
@@ -136,6 +132,7 @@ class FingerprintStrategy(Strategy):
         round 1's, and the clients that sit a round out keep theirs."""
         if self.refreshes(server_round):
             return list(node_ids)
+        # and again while a client's fingerprint is missing (it was left out, not sampled yet, or it joined late)
         return [nid for nid in node_ids if self.partition_of.get(nid) not in self.reports]
 
     def read_report(self, arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
