@@ -40,6 +40,7 @@ from bench.presets import PRESETS, preset, toml_value
 from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise
 from bench.verdicts import verdict_tables
 from common.data.split import SPLIT_RULE
+from common.section import ConfigError
 
 
 def split_outside_quotes(text: str, sep: str = ",") -> list[str]:
@@ -229,10 +230,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     defaults = default_settings()
     # each label's settings, so that a merge never puts two different strategies (e.g. two defaults) under one label
-    settings = {
-        label: resolved_settings(run_config(chosen, rounds, seeds[0], name, extra, args.run_config, out))
-        for label, name, extra in strategies
-    }
+    settings = {}
+    for label, name, extra in strategies:  # every configuration checked before the first run starts
+        try:
+            settings[label] = resolved_settings(run_config(chosen, rounds, seeds[0], name, extra, args.run_config, out))
+        except ConfigError as err:
+            raise SystemExit(f"[compare] {label}: {err}\n[compare] nothing was run") from None
     merged = [merge_report(report, Path(path), settings, defaults) for path in args.merge]
     total = len(strategies) * len(seeds)
     verdicts = ""

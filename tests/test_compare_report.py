@@ -583,3 +583,16 @@ def test_a_comparison_with_a_failed_run_exits_1_naming_it(capsys):
     assert exit_code({"runs": [{"strategy": "local", "seed": 0, "ok": True}]}) == 0
     assert exit_code({"runs": [{"strategy": "fedavg", "seed": 1, "ok": False}, {"strategy": "local", "ok": True}]}) == 1
     assert "1 run(s) failed: fedavg seed 1" in capsys.readouterr().err
+
+
+def test_a_refused_configuration_stops_the_comparison_before_any_run_naming_its_label_and_key(tmp_path, capsys):
+    from bench.compare import main
+
+    out = tmp_path / "cmp"
+    argv = ["--preset", "cross-silo", "--seeds", "0", "--out", str(out)]
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--strategies", "local,fedavg:train.local-steps=0"])
+    message = str(stopped.value.code)
+    assert message.startswith("[compare] fedavg:train.local-steps=0: invalid run config:")
+    assert "train.local-steps: Input should be greater than or equal to 1" in message and "nothing was run" in message
+    assert not (out / "runs").exists() and "starting" not in capsys.readouterr().out
