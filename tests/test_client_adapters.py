@@ -143,3 +143,44 @@ def test_adapters_detach_back_to_the_untouched_base(tiny_llama_dir):
         assert not any(isinstance(m, PQLoraLinear) for m in base.modules()) and not hasattr(base, "peft_config")
         with torch.no_grad():
             torch.testing.assert_close(base(tokens).logits, before)
+
+
+def test_an_adapter_kind_missing_what_its_base_leaves_to_it_is_refused_when_registered():
+    from contextlib import nullcontext
+
+    from common.adapters import ADAPTER_KINDS, AdapterBase
+    from common.adapters.base import checked_kind
+
+    class NoLoad(AdapterBase):
+        name = "no-load"
+
+        def attach(self, base, cfg):
+            return base
+
+        def arrays(self):
+            return {}
+
+        def disabled(self):
+            return nullcontext()
+
+        def detach(self):
+            return self.model
+
+    with pytest.raises(TypeError, match=r"adapter kind NoLoad: define load \(or a begin of its own\)"):
+        checked_kind(NoLoad)
+
+    class OwnBegin(NoLoad):
+        name = "own-begin"
+
+        def begin(self, state, received):
+            self._received = received or self.initial
+
+    assert checked_kind(OwnBegin) is OwnBegin
+
+    class Unfinished(AdapterBase):
+        def attach(self, base, cfg):
+            return base
+
+    with pytest.raises(TypeError, match=r"Unfinished: define name, arrays, detach, disabled, load"):
+        checked_kind(Unfinished)
+    assert all(checked_kind(kind) is kind for kind in ADAPTER_KINDS.values())

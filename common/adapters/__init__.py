@@ -10,7 +10,7 @@ overrides only where it differs; ``ADAPTER_KINDS`` is the one list of them. The 
 
 from collections.abc import Callable
 
-from .base import AdapterBase, AdapterKind, Arrays, ClientState, ReportsBound, UndeclaredStateError
+from .base import AdapterBase, AdapterKind, Arrays, ClientState, ReportsBound, UndeclaredStateError, checked_kind
 from .experts.adapter import ExpertsAdapter
 from .experts.dual import ExpertsDualAdapter
 from .lora import LoraAdapter, attach_lora, get_adapter_arrays, lora_config, save_peft_adapter, set_adapter_arrays
@@ -20,7 +20,7 @@ from .pqlora.dual import PQLoraDualAdapter
 from .sublora import SubLoraAdapter
 
 ADAPTER_KINDS: dict[str, type[AdapterKind]] = {
-    kind.name: kind
+    kind.name: checked_kind(kind)
     for kind in (
         LoraAdapter,
         PQLoraAdapter,

@@ -263,6 +263,20 @@ class AdapterBase(ABC):
         return save_arrays(arrays, out_dir)
 
 
+def checked_kind(kind: type[AdapterBase]) -> type[AdapterBase]:
+    """``kind`` once it defines what its base leaves to it, else TypeError naming the method, when the kind is
+    registered (``ADAPTER_KINDS``) rather than on a client mid-run: a name, every abstract method, and ``load``
+    unless it has a ``begin`` of its own (the default ``begin`` loads what the server sent with it)."""
+    missing = sorted(getattr(kind, "__abstractmethods__", ()))
+    if not isinstance(getattr(kind, "name", None), str) or not kind.name:
+        missing.insert(0, "name")
+    if kind.begin is AdapterBase.begin and kind.load is AdapterBase.load:
+        missing.append("load (or a begin of its own)")
+    if missing:
+        raise TypeError(f"adapter kind {kind.__name__}: define {', '.join(missing)}")
+    return kind
+
+
 @runtime_checkable
 class ReportsBound(Protocol):
     """An adapter kind that reports a generalisation bound on the client's training data at the end of a run
