@@ -13,6 +13,9 @@ repository root.
 
     python -m bench.tables            # rewrite every marked table in README.md and docs/
     python -m bench.tables --check    # exit 1 naming every table that differs from its report
+
+Both also name every verdict quoted in prose (an interval, a Holm p) that no stored report holds
+(``bench.prose_numbers``); ``--check`` fails on them too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.prose_numbers import unsupported
 from bench.stats import MIN_SEEDS
 from bench.verdicts import target_status
 
@@ -185,11 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs")
     args = parser.parse_args(argv)
+    quoted = unsupported(pages(), ROOT / "docs" / "results", ROOT)
+    for finding in quoted:
+        print(f"{finding}: a number in prose that no stored report holds (bench.prose_numbers)")
     if args.check:
         stale = stale_pages()
         for page in stale:
             print(f"{page.relative_to(ROOT)}: a results table differs from its report (python -m bench.tables)")
-        return 1 if stale else 0
+        return 1 if stale or quoted else 0
     for page in pages():
         text = render_page(page)
         if text != page.read_text():

@@ -115,3 +115,20 @@ def test_the_check_command_fails_on_a_stale_table(monkeypatch, site, capsys):
     monkeypatch.setattr("bench.tables.pages", lambda root=None: [readme])
     assert main(["--check"]) == 1 and "README.md: a results table differs" in capsys.readouterr().out
     assert main([]) == 0 and main(["--check"]) == 0
+
+
+def test_a_verdict_quoted_in_prose_must_be_one_a_stored_report_holds(site):
+    from bench.prose_numbers import unsupported
+
+    root, readme = site
+    readme.write_text(render_page(readme, root))
+    prose = "dual's worst client: -0.050 [-0.060, -0.040], Holm p 0.006; its mean client −0.040 [−0.050, −0.030].\n"
+    page = root / "docs" / "page.md"
+    page.write_text(f"# P\n\n{prose}\n| -0.999 [-0.999, -0.999] | a table row is not prose |\n")
+    assert unsupported([readme, page], root / "docs" / "results", root) == []
+    code = "```\n+1.000 [+0.900, +1.100]\n```\n"
+    page.write_text(f"# P\n\nafter a re-run: -0.051 [-0.060, -0.040], Holm p 0.007.\n\n{code}")
+    assert unsupported([readme, page], root / "docs" / "results", root) == [
+        "docs/page.md:3: -0.051 [-0.060, -0.040]",
+        "docs/page.md:3: Holm p 0.007",
+    ]
