@@ -16,14 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.verdicts import interval_text
+
 INTERVAL = re.compile(r"([+\-−]\d+\.\d{3}) \[([+\-−]\d+\.\d{3}), ([+\-−]\d+\.\d{3})\]")
 HOLM = re.compile(r"Holm p (\d+(?:\.\d+)?(?:e-\d+)?)")
 GENERATED = re.compile(r"^<!-- (bench\.tables|record-dp-table)\b")
 HISTORY = ("results-archive.md",)
-
-
-def interval_text(record: dict[str, Any]) -> str:
-    return f"{record['estimate']:+.3f} [{record['low']:+.3f}, {record['high']:+.3f}]"
 
 
 def _records(value: Any) -> Iterator[dict[str, Any]]:

@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.prose_numbers import unsupported
 from bench.stats import MIN_SEEDS
-from bench.verdicts import target_status
+from bench.verdicts import interval_text, target_status
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- bench\.tables (?P<kind>[a-z-]+) (?P<report>\S+) -->$")
@@ -40,10 +40,6 @@ END = "<!-- /bench.tables -->"
 def pages(root: Path | None = None) -> list[Path]:
     root = root or ROOT
     return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
-
-
-def interval(record: dict[str, Any], low: str = "low", high: str = "high") -> str:
-    return f"{record['estimate']:+.3f} [{record[low]:+.3f}, {record[high]:+.3f}]"
 
 
 def verdict_text(record: dict[str, Any]) -> str:
@@ -100,11 +96,11 @@ def primary_table(report: dict[str, Any], link: str) -> str:
         cells = [
             f"{record['a']} − {record['b']}",
             ", ".join(f"{d:+.3f}" for d in record["per_seed"]),
-            interval(record),
+            interval_text(record),
             f"{record['p']:.2g} / {t_p}",
             f"{record['holm_p']:.2g}" if record.get("primary") else "– (exploratory)",
             verdict_text(record),
-            f"{interval(other)} {verdict_text(other)}" if other else "–",
+            f"{interval_text(other)} {verdict_text(other)}" if other else "–",
             f"{counts.count('better')} / {counts.count('worse')}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -134,11 +130,11 @@ def before_after_table(report: dict[str, Any], link: str) -> str:
         else:
             seeds = f"{len(new['per_seed'])} seeds"
             label = "primary" if new.get("primary") else "exploratory"
-            now_cells = [f"{interval(new)}, {seeds}", f"{new['verdict']} ({label})"]
+            now_cells = [f"{interval_text(new)}, {seeds}", f"{new['verdict']} ({label})"]
             survives = new["verdict"] == old["verdict"]
         kept += survives
         lines.append(
-            f"| {old['a']} − {old['b']} | {old['statistic']} | {interval(old)} {old['verdict']} | "
+            f"| {old['a']} − {old['b']} | {old['statistic']} | {interval_text(old)} {old['verdict']} | "
             + " | ".join(now_cells)
             + f" | {'yes' if survives else '**no**'} |"
         )

@@ -72,6 +72,11 @@ def all_pairs(strategies: Sequence[str], references: Sequence[str]) -> list[tupl
     return out
 
 
+def interval_text(record: dict[str, Any]) -> str:
+    """An interval record as every table and quoted verdict prints it: ``-0.014 [-0.022, -0.011]``."""
+    return f"{record['estimate']:+.3f} [{record['low']:+.3f}, {record['high']:+.3f}]"
+
+
 def interval_record(a: str, b: str, statistic: str, seed_aware: Any, examples: Any) -> dict[str, Any]:
     return {
         "a": a,
@@ -183,7 +188,7 @@ def verdict_tables(
             f"{r['a']} − {r['b']}",
             r["statistic"],
             ", ".join(f"{d:+.3f}" for d in r["per_seed"]),
-            f"{r['estimate']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]",
+            interval_text(r),
             f"{r['p']:.3g} / {'–' if r['t_p'] is None else format(r['t_p'], '.3g')}",
             *([f"{r['holm_p']:.3g}"] if r["primary"] else []),
             verdict_cell(r["verdict"])
@@ -198,7 +203,7 @@ def verdict_tables(
     for r in (r for r in records if r["statistic"] == "per client"):
         verdicts = [c["verdict"] for c in r["clients"].values()]
         worse = "; ".join(
-            f"{c} ({labels.get(int(c), '?')}): {i['estimate']:+.3f} [{i['low']:+.3f}, {i['high']:+.3f}]"
+            f"{c} ({labels.get(int(c), '?')}): {interval_text(i)}"
             for c, i in r["clients"].items()
             if i["verdict"] == WORSE
         )

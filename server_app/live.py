@@ -135,53 +135,56 @@ class LiveCurves:
     def _write(self, event: Any) -> None:
         self._file.write(event.SerializeToString())
 
-    def add(self, rows: Iterable[dict[str, Any]]) -> None:
-        """One round's rows (those ``metrics.jsonl`` just got); on disk (fsynced) before it returns."""
+    def _emit(self, events: Iterable[Any]) -> None:
+        """Write ``events`` and flush (fsync) them; the first failure is logged and the curves stop, the run goes on."""
         if self._file is None:
             return
         try:
-            now = time.time()
-            for tag, value, step in scalars(rows):
-                event = self._event(wall_time=now, step=step)
-                event.summary.value.add(tag=tag, simple_value=value)
+            for event in events:
                 self._write(event)
             self._file.flush()
         except Exception as err:  # a curve never stops a run
             log.warning("live curves stopped: %s: %s", type(err).__name__, err)
             self.close()
 
+    def add(self, rows: Iterable[dict[str, Any]]) -> None:
+        """One round's rows (those ``metrics.jsonl`` just got); on disk (fsynced) before it returns."""
+        self._emit(self._scalar_events(rows))
+
+    def _scalar_events(self, rows: Iterable[dict[str, Any]]) -> Iterable[Any]:
+        now = time.time()
+        for tag, value, step in scalars(rows):
+            event = self._event(wall_time=now, step=step)
+            event.summary.value.add(tag=tag, simple_value=value)
+            yield event
+
     def add_images(self, server_round: int, paths: Iterable[Path], run_dir: Path) -> None:
         """A round's plots (PNG files under ``run_dir``) as images, each tagged by its path without the round
         (``relevance/round-003.png`` -> ``plots/relevance``), so a board's slider steps through the rounds."""
-        if self._file is None:
-            return
-        try:
-            for path in paths:
-                if path.suffix != ".png" or not path.is_file():
-                    continue
-                data = path.read_bytes()
-                width, height = struct.unpack(">II", data[16:24])  # the PNG header's IHDR
-                parts = [
-                    _ROUND_IN_NAME.sub("", part).strip("-_") for part in path.relative_to(run_dir).with_suffix("").parts
-                ]
-                name = "/".join(part for part in parts if part)
-                event = self._event(wall_time=time.time(), step=server_round)
-                event.summary.value.add(
-                    tag=f"plots/{name}",
-                    image=self._image(height=height, width=width, colorspace=4, encoded_image_string=data),
-                )
-                self._write(event)
-            self._file.flush()
-        except Exception as err:  # a picture never stops a run
-            log.warning("live curves stopped: %s: %s", type(err).__name__, err)
-            self.close()
+        self._emit(self._image_events(server_round, paths, run_dir))
+
+    def _image_events(self, server_round: int, paths: Iterable[Path], run_dir: Path) -> Iterable[Any]:
+        for path in paths:
+            if path.suffix != ".png" or not path.is_file():
+                continue
+            data = path.read_bytes()
+            width, height = struct.unpack(">II", data[16:24])  # the PNG header's IHDR
+            parts = [
+                _ROUND_IN_NAME.sub("", part).strip("-_") for part in path.relative_to(run_dir).with_suffix("").parts
+            ]
+            event = self._event(wall_time=time.time(), step=server_round)
+            event.summary.value.add(
+                tag="plots/" + "/".join(part for part in parts if part),
+                image=self._image(height=height, width=width, colorspace=4, encoded_image_string=data),
+            )
+            yield event
 
     def add_kept_images(self, run_dir: Path, last_round: int) -> None:
         """On a resume: the plots the run drew before (up to ``last_round``, the last one kept), each at its round."""
         by_round: dict[int, list[Path]] = {}
         for path in sorted(run_dir.rglob("*.png")):
             found = _ROUND_IN_NAME.search(path.name)
-            if found and "tensorboard" not in path.parts and int(found.group(1)) <= last_round:
+            if found and "tensorboard" not in path.relative_to(run_dir).parts and int(found.group(1)) <= last_round:
                 by_round.setdefault(int(found.group(1)), []).append(path)
         for server_round, paths in sorted(by_round.items()):
             self.add_images(server_round, paths, run_dir)
