@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from flwr.app import Context, Message
@@ -26,15 +26,12 @@ from common.dpsgd import private_train_round
 from common.evaluation import answer_loss, evaluate
 from common.guard import GUARD_STATE_KEY, as_train, choose, snapshot, trained_names
 from common.logs import get_logger
-from common.privacy import DP_CLIP_NORM, DP_NOISE_STD, with_noise
+from common.messages import QUERY_REPORT, DpPart, Part, SecAggPart, read_evaluate, read_query, read_train
+from common.privacy import with_noise
 from common.record_privacy import Steps
 from common.records import (
     ARRAYS,
     CONFIG,
-    QUERY_INITIAL,
-    QUERY_REPORT,
-    SEND_ADAPTER,
-    SERVER_ROUND,
     initial_reply,
     metrics_reply,
     read_sent_adapter,
@@ -45,16 +42,13 @@ from common.records import (
 )
 from common.reply_checks import RECORD_DP_WITHHELD, clip_update, update_norm
 from common.training import round_learning_rate, train_round
-from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, WEIGHT_BY, WEIGHT_BY_EXAMPLES
+from strategies import strategy_spec
 from strategies.client import save_whole_adapter
 
 from . import member_ledger, record_dp
 from .kept_evaluation import kept_reply
 from .runtime import ClientRuntime, begin_message, declared_state_keys, get_runtime, note_restored
 from .state_store import restore, save, state_file
-
-if TYPE_CHECKING:
-    from flwr.app.typing import ConfigRecordValues
 
 log = get_logger("tessera.client")
 # under DP-SGD, beside RECORD_DP_WITHHELD: counts of the sampled records, for the node's own log
@@ -65,25 +59,19 @@ def query(msg: Message, context: Context) -> Message:
     """``initial-adapter``: the client's fresh adapter (seeded, identical per model) and identity;
     ``report``: this round's report from the strategy's client half (e.g. SimGrad's signature and salience)."""
     rt = get_runtime(context)
-    config = msg.content.config_records[CONFIG] if CONFIG in msg.content else {}
-    kind = config.get("query", QUERY_INITIAL)
-    if kind == QUERY_REPORT:
+    at, query_part = read_query(msg.content.config_records[CONFIG] if CONFIG in msg.content else {})
+    if query_part.query == QUERY_REPORT:
         if record_dp.node_budget(context, rt.cfg) and (why := record_dp.refusal(rt.cfg)):
             raise ValueError(why)  # a report made from the records outside DP-SGD would leave the node unaccounted
-        arrays, metrics = rt.strategy.report(rt, rt.state, _config_int(config, SERVER_ROUND, 0))
+        arrays, metrics = rt.strategy.report(rt, rt.state, at.server_round)
         return Message(report_reply(arrays, {**metrics, **rt.identity()}), reply_to=msg)
-    if kind != QUERY_INITIAL:
-        raise ValueError(f"unknown query {kind!r}")
-    send = bool(config.get(SEND_ADAPTER, True))  # the server asks one client per model for the arrays themselves
-    return Message(initial_reply(rt.adapter.initial, rt.identity(), send), reply_to=msg)
+    # the server asks one client per model for the arrays themselves
+    return Message(initial_reply(rt.adapter.initial, rt.identity(), query_part.send_adapter), reply_to=msg)
 
 
-def _config_int(config: Mapping[str, ConfigRecordValues], key: str, default: int) -> int:
-    """A number the server put in a message's config as an int (``default`` when absent)."""
-    value = config.get(key, default)
-    if isinstance(value, list):
-        raise TypeError(f"config {key}: expected a number, got a list ({value!r})")
-    return int(value)
+def _wire(rt: ClientRuntime) -> type[Part] | None:
+    """The run's strategy's part of an instruction (``StrategySpec.wire``)."""
+    return strategy_spec(rt.cfg.strategy).wire
 
 
 def node_train_settings(settings: TrainSection, node_config: dict) -> TrainSection:
@@ -100,14 +88,15 @@ def node_train_settings(settings: TrainSection, node_config: dict) -> TrainSecti
 
 def train(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
-    config = read_train_config(msg.content)
-    rt.strategy.configure(rt, config)
-    arrays = read_train_arrays(msg.content, rt.strategy.wire_reference(rt, config))
+    instruction = read_train(read_train_config(msg.content), _wire(rt))
+    part = instruction.strategy
+    rt.strategy.configure(rt, part)
+    arrays = read_train_arrays(msg.content, rt.strategy.wire_reference(rt, part))
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
-    rt.strategy.ready(rt, config, training=True)
+    rt.strategy.ready(rt, part, training=True)
     guarded = guard(rt)
     rt.adapter.prepare_training()
-    server_round = int(config.get(SERVER_ROUND, 1))
+    server_round = instruction.round.server_round
     settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
     lr = round_learning_rate(settings, server_round, rt.cfg.num_server_rounds)
     log.info(
@@ -143,30 +132,24 @@ def train(msg: Message, context: Context) -> Message:
     metrics.update(adapter_metrics)
     metrics.update(strategy_metrics)
     metrics.update(rt.identity())
-    weight = rt.strategy.member_weight(str(config.get(WEIGHT_BY, WEIGHT_BY_EXAMPLES)), metrics)
+    weight = rt.strategy.member_weight(instruction.weighting.weight_by, metrics)
     received = arrays or {}
     sent = {k: received.get(k, np.zeros_like(v)) for k, v in updated.items()}  # what the update starts from
-    if DP_CLIP_NORM in config:  # differential privacy: nothing measured on the raw update leaves the node
-        updated = private_update(updated, sent, config, rt.partition_id)
+    if instruction.dp is not None:  # differential privacy: nothing measured on the raw update leaves the node
+        updated = private_update(updated, sent, instruction.dp, instruction.secagg, rt.partition_id)
     else:
         # how far the update moved from what was sent (L2): the train row's update_norm (plain mode: the server
         # measures it itself), from which an operator can choose robust.max-update-norm
         metrics["update_norm"] = update_norm(updated, sent)
-        if SECAGG_CLIP_NORM in config:  # the server cannot clip what it cannot see, and refuses a mean beyond it
-            updated, clipped = clip_update(updated, sent, float(config[SECAGG_CLIP_NORM]))
-            metrics["secagg_norm_clipped"] = int(clipped)
-    if SECAGG_CLIP in config:  # secure mode: how many values SecAgg+ will clamp to its range after weighting
-        # Flower's SecAgg+ only warns when a weight exceeds its max_weight (the quantised sum can then wrap), and
-        # the server refuses a group whose reported weight is over it: an honest member caps its own.
-        weight = min(weight, int(float(config[SECAGG_MAX_WEIGHT])))
-        clamped = secagg_clipped(updated, weight, config)
-        if DP_CLIP_NORM in config:  # a count over this member's noised share would say what the group's noise hides
+    if instruction.secagg is not None:
+        updated, weight, secure = masked_update(updated, sent, weight, instruction.secagg, instruction.dp is not None)
+        if instruction.dp is not None:  # a count over this member's noised share would say what the noise hides
+            clamped = secure.pop("secagg_clipped")
             log.info("partition %d: SecAgg+ will clamp %d values of this update", rt.partition_id, clamped)
-        else:
-            metrics["secagg_clipped"] = clamped
+        metrics.update(secure)
     if "audit-dir" in context.node_config:
         keep_audit_copy(Path(str(context.node_config["audit-dir"])), server_round, rt.partition_id, updated, weight)
-    metrics.update(member_ledger.record(context, server_round, config))  # counted before it is sent
+    metrics.update(member_ledger.record(context, server_round, instruction.dp))  # counted before it is sent
     if plan is not None:
         member_ledger.count_steps(context, server_round, Steps(plan.q, plan.z, plan.steps))
         metrics = _withheld_under_dp_sgd(metrics, rt.partition_id) | record_dp.round_metrics(plan)
@@ -212,18 +195,40 @@ def _withheld_under_dp_sgd(metrics: dict[str, Any], partition_id: int) -> dict[s
 
 
 def private_update(
-    updated: dict[str, np.ndarray], sent: dict[str, np.ndarray], config: Mapping[str, Any], partition_id: int
+    updated: dict[str, np.ndarray],
+    sent: dict[str, np.ndarray],
+    dp: DpPart,
+    secagg: SecAggPart | None,
+    partition_id: int,
 ) -> dict[str, np.ndarray]:
     """``dp.*`` (``common.privacy``): the update clipped once, to the tighter of ``dp.clip-norm`` and SecAgg+'s norm
     bound, then (distributed mode) this member's share of the noise added before SecAgg+ masks it. Its norm, and
     whether it was clipped, would say what the noise hides: they are logged on the node, never sent."""
-    norms = [float(config[k]) for k in (DP_CLIP_NORM, SECAGG_CLIP_NORM) if k in config]
+    bound = min(dp.clip_norm, secagg.clip_norm) if secagg is not None else dp.clip_norm
     norm = update_norm(updated, sent)
-    updated, clipped = clip_update(updated, sent, min(norms))
-    log.info("partition %d: update norm %.4g, clipped to %.4g: %s", partition_id, norm, min(norms), clipped)
-    if DP_NOISE_STD in config:
-        updated = with_noise(updated, float(config[DP_NOISE_STD]))
+    updated, clipped = clip_update(updated, sent, bound)
+    log.info("partition %d: update norm %.4g, clipped to %.4g: %s", partition_id, norm, bound, clipped)
+    if dp.noise_std is not None:
+        updated = with_noise(updated, dp.noise_std)
     return updated
+
+
+def masked_update(
+    updated: dict[str, np.ndarray], sent: dict[str, np.ndarray], weight: int, secagg: SecAggPart, private: bool
+) -> tuple[dict[str, np.ndarray], int, dict[str, int]]:
+    """Secure mode, before ``secaggplus_mod`` masks the update: clipped to SecAgg+'s norm bound (the server cannot
+    clip what it cannot see, and refuses a mean beyond it; ``private``: already clipped with the DP clip), the weight
+    capped at the group's max weight, and the values SecAgg+ will clamp to its range counted. The update, the weight
+    and the reply's metrics (``secagg_clipped`` last: under DP the caller logs it instead)."""
+    metrics: dict[str, int] = {}
+    if not private:
+        updated, clipped = clip_update(updated, sent, secagg.clip_norm)
+        metrics["secagg_norm_clipped"] = int(clipped)
+    # Flower's SecAgg+ only warns when a weight exceeds its max_weight (the quantised sum can then wrap), and the
+    # server refuses a group whose reported weight is over it: an honest member caps its own.
+    weight = min(weight, int(secagg.max_weight))
+    metrics["secagg_clipped"] = secagg_clipped(updated, weight, secagg)
+    return updated, weight, metrics
 
 
 def guard(rt: ClientRuntime) -> dict[str, Any]:
@@ -266,23 +271,24 @@ def keep_audit_copy(directory: Path, server_round: int, partition_id: int, array
     os.replace(directory / f".{target.name}.tmp", target)
 
 
-def secagg_clipped(arrays: dict[str, np.ndarray], weight: int, config: dict) -> int:
+def secagg_clipped(arrays: dict[str, np.ndarray], weight: int, secagg: SecAggPart) -> int:
     """The values Flower's secaggplus_mod will clip: it scales by weight / max weight (members cap it at 1), then
     clamps to +-clipping range."""
-    ratio = min(weight / float(config[SECAGG_MAX_WEIGHT]), 1.0)
-    limit = float(config[SECAGG_CLIP])
+    ratio = min(weight / secagg.max_weight, 1.0)
+    limit = secagg.clipping_range
     return int(sum(np.count_nonzero(np.abs(a) * ratio > limit) for a in arrays.values()))
 
 
 def evaluate_handler(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
-    config = dict(msg.content.config_records[CONFIG]) if CONFIG in msg.content else {}
-    rt.strategy.configure(rt, config)
-    arrays = read_sent_adapter(msg.content.array_records[ARRAYS], rt.strategy.wire_reference(rt, config))
+    instruction = read_evaluate(msg.content.config_records[CONFIG] if CONFIG in msg.content else {}, _wire(rt))
+    part = instruction.strategy
+    rt.strategy.configure(rt, part)
+    arrays = read_sent_adapter(msg.content.array_records[ARRAYS], rt.strategy.wire_reference(rt, part))
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
-    rt.strategy.ready(rt, config, training=False)
+    rt.strategy.ready(rt, part, training=False)
     guarded = guard(rt)
-    server_round = _config_int(config, SERVER_ROUND, -1)
+    server_round = instruction.round.server_round
     examples = rt.cfg.eval.examples_at(server_round, rt.cfg.num_server_rounds)  # more where verdicts are made
     metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train, examples))
     metrics.update(guarded)

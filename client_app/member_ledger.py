@@ -29,7 +29,8 @@ from flwr.app import ConfigRecord, Context
 
 from common.jsonl import append_durably, whole_lines
 from common.logs import get_logger
-from common.privacy import DP_DELTA, DP_NOISE_MULTIPLIER, epsilon_of
+from common.messages import DpPart
+from common.privacy import epsilon_of
 from common.record_privacy import Steps
 
 from .state_store import state_root
@@ -76,27 +77,28 @@ def _refused(context: Context, err: OSError) -> OSError:
     return OSError(f"the node's privacy ledger could not be written ({type(err).__name__})")
 
 
-def record(context: Context, server_round: int, config: dict[str, Any]) -> dict[str, Any]:
-    """Count this round's update before it is sent; the reply's ledger metrics under ``dp.*`` (else none). Under
-    ``dp.*`` an ``OSError`` writing the line is raised: an update that cannot be counted is not sent."""
-    z = float(config.get(DP_NOISE_MULTIPLIER, 0.0))
+def record(context: Context, server_round: int, dp: DpPart | None) -> dict[str, Any]:
+    """Count this round's update before it is sent (``dp``: the instruction's DP part, None without ``dp.*``); the
+    reply's ledger metrics under ``dp.*`` (else none). Under ``dp.*`` an ``OSError`` writing the line is raised: an
+    update that cannot be counted is not sent."""
+    z = dp.noise_multiplier if dp is not None else 0.0
     try:
         _append(context, {"kind": "member", "round": server_round, "noise_multiplier": z})
     except OSError as err:
-        if DP_DELTA in config:  # under dp.*, an update that cannot be counted is not sent
+        if dp is not None:  # under dp.*, an update that cannot be counted is not sent
             raise _refused(context, err) from None
         path = ledger_path(context)
         if path not in _WARNED:  # without dp.* the line only says "no noise": the round goes on
             _WARNED.add(path)  # type: ignore[arg-type]
             log.warning("privacy ledger not written to %s (node-config state-dir): %s", path, err)
         return {}
-    if DP_DELTA not in config:
+    if dp is None:
         return {}
     noise = [float(e["noise_multiplier"]) for e in _entries(context) if e.get("kind", "member") == "member"]
     without = sum(1 for n in noise if n <= 0)
     metrics: dict[str, Any] = {"dp_member_releases": len(noise), "dp_member_releases_without_noise": without}
     if not without:
-        metrics["dp_member_epsilon"] = epsilon_of(noise, float(config[DP_DELTA]))
+        metrics["dp_member_epsilon"] = epsilon_of(noise, dp.delta)
     log.info(
         "partition %s: privacy ledger: %d release(s), %d without noise%s",
         context.node_config.get("partition-id", 0),

@@ -23,8 +23,8 @@ from common.config import RunConfig
 from common.data import ClientData, DataError, Example, load_client_data
 from common.data.node import ALLOW_PATHS_KEY, run_config_paths_allowed
 from common.logs import get_logger
+from common.messages import Identity
 from common.model import load_base_model, load_tokenizer
-from common.records import IDENTITY_KEYS
 from common.training import token_counts
 from strategies import StrategyClient, load_run_config, strategy_spec
 
@@ -167,21 +167,21 @@ class ClientRuntime:
         """Who answered: reported beside every metric."""
         import resource
 
-        values = (
-            self.partition_id,
-            self.data.tasks,
-            self.model_name,
-            os.getpid(),
-            model_loads,
-            model_load_seconds,
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            _startup["spawn"] + _startup["ready"],
-            _ray_node(),
-            _restored.get(self.partition_id, ""),
-            self.state.nbytes(),
+        identity = Identity(
+            partition_id=self.partition_id,
+            tasks=self.data.tasks,
+            model=self.model_name,
+            pid=os.getpid(),
+            model_loads=model_loads,
+            model_load_seconds=model_load_seconds,
+            peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            startup_seconds=_startup["spawn"] + _startup["ready"],
+            ray_node=_ray_node(),
+            state_restored=_restored.get(self.partition_id, ""),
+            state_bytes=self.state.nbytes(),
         )
         counts = {} if self.keeps_evaluation else self.data.counts  # how many records it holds: kept with it
-        return {**dict(zip(IDENTITY_KEYS, values, strict=True)), **counts}
+        return {**identity.wire(), **counts}
 
 
 def _ray_node() -> str:

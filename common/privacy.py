@@ -34,11 +34,6 @@ from common.secure_bounds import MIN_SECURE_GROUP  # a group's sum is never unma
 
 Arrays = dict[str, np.ndarray]
 
-# train-instruction keys: the norm a member clips its update to, and (distributed mode) its share of the noise;
-# the round's noise multiplier and delta, for the member's own ledger (client_app.member_ledger)
-DP_CLIP_NORM, DP_NOISE_STD = "dp-clip-norm", "dp-noise-std"
-DP_NOISE_MULTIPLIER, DP_DELTA = "dp-noise-multiplier", "dp-delta"
-
 # the most noise a run may plan: beyond it every coordinate of the mean is noise for any federation we run
 MAX_NOISE_MULTIPLIER = 1e4
 # a high-probability bound on a Gaussian vector's norm: ||g|| <= sigma (sqrt(D) + TAIL) with probability at least

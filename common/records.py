@@ -20,16 +20,15 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from .messages import ADAPTER_DIGEST, QueryPart, ReplyError, RoundPart, encode, joined
+
+__all__ = ["ReplyError"]  # re-exported: every reply check raises it
+
 FITINS_ARRAYS, FITINS_CONFIG = "fitins.parameters", "fitins.config"
 FITRES_ARRAYS, FITRES_METRICS = "fitres.parameters", "fitres.metrics"
 FITRES_NUM_EXAMPLES, FITRES_STATUS = "fitres.num_examples", "fitres.status"
 ARRAYS, CONFIG, METRICS, REPORT = "arrays", "config", "metrics", "report"
 PACKED = "packed"
-QUERY_INITIAL, QUERY_REPORT = "initial-adapter", "report"
-
-
-class ReplyError(ValueError):
-    """A client reply that cannot be used (missing key, wrong shape, NaN/Inf, ...)."""
 
 
 def num_bytes(arrays: dict[str, np.ndarray]) -> int:
@@ -127,23 +126,9 @@ def read_train_instruction(
     return read_train_arrays(content, reference), read_train_config(content)
 
 
-def joined(values: Any, fmt: str = "") -> str:
-    """A list as one scalar record value, comma-joined (``fmt``: each number's format, e.g. ``".6g"``): how every
-    list travels in an instruction's config or a FitRes' metrics; ``metric_list`` reads it back."""
-    return ",".join(format(x, fmt) if fmt else str(x) for x in values)
-
-
 def scalar_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """Lists joined by commas: SecAgg+ converts replies to legacy FitRes, whose metrics take scalars only."""
     return {k: joined(v) if isinstance(v, (list, tuple)) else v for k, v in metrics.items()}
-
-
-def metric_list(value: Any, kind: type = float) -> list:
-    """The inverse of ``joined`` / ``scalar_metrics`` for one value ("0.5,0.4" -> [0.5, 0.4]; "" -> []); lists
-    pass through."""
-    if isinstance(value, str):
-        return [kind(x) for x in value.split(",") if x.strip()]
-    return [kind(x) for x in value] if value is not None else []
 
 
 def train_reply(arrays: dict[str, np.ndarray], num_examples: int, metrics: dict[str, Any]) -> RecordDict:
@@ -201,29 +186,11 @@ def read_metrics(content: RecordDict) -> dict[str, Any]:
     return dict(content.config_records[METRICS])
 
 
-def query_instruction(kind: str, config: dict[str, Any] | None = None) -> RecordDict:
+def query_instruction(server_round: int, query: QueryPart) -> RecordDict:
     """A QUERY message: ``initial-adapter`` (the client's fresh adapter and identity) or ``report`` (the strategy's)."""
-    return RecordDict({CONFIG: ConfigRecord({"query": kind, **(config or {})})})
-
-
-# A client's identity, sent beside every metric of its replies (``client_app.runtime`` builds it, its data counts
-# after these); the server's evaluation rows carry each of them (dashes as underscores).
-IDENTITY_KEYS = (
-    "partition-id",
-    "tasks",
-    "model",
-    "pid",
-    "model-loads",
-    "model-load-seconds",
-    "peak-rss-mb",
-    "startup-seconds",
-    "ray-node",
-    "state-restored",
-    "state-bytes",
-)
-SERVER_ROUND = "server-round"  # every instruction and query: the round it belongs to (0: before training)
-SEND_ADAPTER = "send-adapter"  # initial query: False asks for the adapter's digest only (what admission compares)
-ADAPTER_DIGEST = "adapter-digest"  # identity key: the digest of the client's initial adapter
+    return RecordDict(
+        {CONFIG: ConfigRecord(encode({"the round": RoundPart(server_round=server_round), "the query": query}))}
+    )
 
 
 def adapter_digest(arrays: dict[str, np.ndarray]) -> str:

@@ -11,7 +11,8 @@ import psutil
 from common.data import DATA_COUNT_KEYS
 from common.guard import GUARD_METRICS
 from common.logs import get_logger
-from common.records import IDENTITY_KEYS, SERVER_ROUND, num_bytes
+from common.messages import Identity
+from common.records import num_bytes
 from common.reply_checks import KEPT_ON_NODE
 
 from .transport import evaluate_nodes
@@ -49,7 +50,6 @@ def evaluate_round(
         grid,
         server_round,
         arrays_by_node,
-        {SERVER_ROUND: server_round},
         cfg.round_timeout,
         configs,
         asked,
@@ -65,12 +65,12 @@ def evaluate_round(
         row["bytes_down"] = row.get("bytes_down", 0) + num_bytes(arrays_by_node[nid])
         if isinstance(metrics, dict) and KEPT_ON_NODE in metrics:  # the member kept what it measured
             row.update({k: None for k in EVAL_ROW_KEYS} | {KEPT_ON_NODE: True})
-            row.update({k.replace("-", "_"): metrics.get(k) for k in IDENTITY_KEYS})
+            row.update({k.replace("-", "_"): metrics.get(k) for k in Identity.keys()})
         elif isinstance(metrics, dict):
             row.update({k: metrics.get(k) for k in EVAL_ROW_KEYS})
             row.update({k: metrics[k] for k in EVAL_ROW_EXTRAS if k in metrics})
             row.update({k: v for k, v in metrics.items() if k.startswith("bound_")})  # an adapter's bound (SubLoRA)
-            row.update({k.replace("-", "_"): metrics.get(k) for k in (*IDENTITY_KEYS, *DATA_COUNT_KEYS)})
+            row.update({k.replace("-", "_"): metrics.get(k) for k in (*Identity.keys(), *DATA_COUNT_KEYS)})
             # typed and bounded where the reply was checked (common.reply_checks.check_eval_metrics)
             n = metrics["eval_examples"]
             generated = metrics.get("eval_generated", n)  # EM and ROUGE-L come from the generated subset

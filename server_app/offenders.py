@@ -80,8 +80,8 @@ class Offenders:
                     group,
                     name=f"{group.name}{SUBGROUP}{k + 1}",
                     start={n: group.start[n] for n in part},
-                    config=dict(group.config),
-                    member_configs={n: dict(group.member_configs[n]) for n in part if n in group.member_configs},
+                    config=group.config,
+                    member_configs={n: group.member_configs[n] for n in part if n in group.member_configs},
                 )
                 for k, part in enumerate(members)
             ]

@@ -17,11 +17,8 @@ from typing import Any
 import numpy as np
 
 from common.config import RunConfig
+from common.messages import DpPart
 from common.privacy import (
-    DP_CLIP_NORM,
-    DP_DELTA,
-    DP_NOISE_MULTIPLIER,
-    DP_NOISE_STD,
     epsilon_of,
     fewest_members,
     noise_norm_bound,
@@ -67,8 +64,7 @@ def prepare(cfg: RunConfig, groups: list[Group]) -> None:
     z, clip_norm = noise_multiplier(cfg), cfg.dp.clip_norm
     for group in groups:
         group.weight_by, group.max_weight = WEIGHT_EQUALLY, None
-        group.config[DP_CLIP_NORM] = clip_norm
-        group.config.update({DP_NOISE_MULTIPLIER: z, DP_DELTA: cfg.dp.delta})  # what the member's ledger records
+        share = None
         if cfg.dp.mode == "distributed":
             size = len(group.members)
             threshold = reconstruction_threshold(size, cfg.secagg.num_shares, cfg.secagg.reconstruction_threshold)
@@ -76,7 +72,8 @@ def prepare(cfg: RunConfig, groups: list[Group]) -> None:
             problem = quantisation_problem(share, clip_norm, cfg.secagg.clipping_range, cfg.secagg.quantization_range)
             if problem:
                 raise ValueError(problem)
-            group.config[DP_NOISE_STD] = share
+        # z and delta: what the member's ledger records
+        group.dp = DpPart(clip_norm=clip_norm, noise_multiplier=z, delta=cfg.dp.delta, noise_std=share)
 
 
 def add_central_noise(cfg: RunConfig, results: list[GroupResult], rng: np.random.Generator | None = None) -> None:
@@ -93,7 +90,7 @@ def add_central_noise(cfg: RunConfig, results: list[GroupResult], rng: np.random
 def distance_allowance(group: Group, contributors: int, dimension: int) -> float:
     """What distributed noise may add to a group mean's distance from its start (0 without noise): the members'
     shares sum to at least N(0, (z C)^2), over ``contributors`` in the mean."""
-    share = float(group.config.get(DP_NOISE_STD, 0.0))
+    share = group.dp.noise_std if group.dp is not None and group.dp.noise_std is not None else 0.0
     if share == 0 or contributors == 0:
         return 0.0
     return noise_norm_bound(share / np.sqrt(contributors), dimension)

@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
 from common.core_sections import MODULUS_RANGE, SecAggSection
+from common.messages import SecAggPart
 from common.records import ReplyError, check_arrays, pack, unpack
 from common.reply_checks import ReplyLimits, check_metrics, check_weight, masked_weight_problem
 from common.secure_bounds import (
@@ -36,7 +37,7 @@ from common.secure_bounds import (
     reconstruction_threshold,
 )
 from server_app.secure_weights import Unmasked, record_unmasked
-from strategies.base import SECAGG_CLIP, SECAGG_CLIP_NORM, SECAGG_MAX_WEIGHT, Group, GroupResult
+from strategies.base import Group, GroupResult
 
 from .privacy import distance_allowance
 from .transport import log, max_weight, member_config
@@ -51,7 +52,6 @@ def train_groups_secure(
     context: Context,
     server_round: int,
     groups: list[Group],
-    config: dict[str, Any],
     cfg: SecAggSection,
     limits: ReplyLimits,
 ) -> list[GroupResult]:
@@ -62,11 +62,11 @@ def train_groups_secure(
     replies) and each client keeps its SecAgg+ state in its own context; so members of different groups train at
     the same time instead of one group after another."""
     if len(groups) <= 1:
-        return [train_group_secure(grid, context, server_round, g, config, cfg, limits) for g in groups]
+        return [train_group_secure(grid, context, server_round, g, cfg, limits) for g in groups]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="secagg-group") as pool:
-        futures = [pool.submit(train_group_secure, grid, context, server_round, g, config, cfg, limits) for g in groups]
+        futures = [pool.submit(train_group_secure, grid, context, server_round, g, cfg, limits) for g in groups]
         return [f.result() for f in futures]
 
 
@@ -80,7 +80,6 @@ def train_group_secure(
     context: Context,
     server_round: int,
     group: Group,
-    config: dict[str, Any],
     cfg: SecAggSection,
     limits: ReplyLimits,
 ) -> GroupResult:
@@ -106,8 +105,8 @@ def train_group_secure(
     # members count the values SecAgg+ will clip (it clamps silently) and clip their own update's norm
     cap = max_weight(group, limits.examples_per_round)
     norm = secure_clip_norm(limits)
-    clip_config = {SECAGG_CLIP: cfg.clipping_range, SECAGG_MAX_WEIGHT: cap, SECAGG_CLIP_NORM: norm}
-    capture = _CaptureGroup(grid, context.run_id, group, config, clip_config)
+    bounds = SecAggPart(clipping_range=cfg.clipping_range, max_weight=cap, clip_norm=norm)
+    capture = _CaptureGroup(grid, context.run_id, group, server_round, bounds)
     state = RecordDict(
         {
             MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: server_round}),
@@ -304,13 +303,13 @@ class _ScreenedGrid:
 class _CaptureGroup:
     """A minimal legacy strategy: selects the group's members and captures SecAgg+'s unmasked mean."""
 
-    def __init__(self, grid, run_id: int, group: Group, config: dict[str, Any], extra: dict[str, Any]) -> None:
+    def __init__(self, grid, run_id: int, group: Group, server_round: int, bounds: SecAggPart) -> None:
         from flwr.common import FitIns, ndarrays_to_parameters
         from flwr.server.compat.grid_client_proxy import GridClientProxy
 
         self.instructions = []  # each member's start adapter packed into one vector (``common.records``)
         for nid in group.members:
-            settings = {**member_config(group, config, nid), **extra}
+            settings = member_config(group, server_round, nid, bounds)
             fit_ins = FitIns(ndarrays_to_parameters([pack(group.start[nid])]), settings)
             self.instructions.append((GridClientProxy(nid, grid, run_id), fit_ins))
         self.mean: list[np.ndarray] | None = None

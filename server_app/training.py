@@ -13,7 +13,7 @@ from common.adapters import adapter_kind
 from common.config import RunConfig
 from common.guard import TRAIN_GUARD_METRICS
 from common.logs import get_logger
-from common.records import SERVER_ROUND, num_bytes
+from common.records import num_bytes
 from common.reply_checks import (
     MEMBER_LEDGER_METRICS,
     RECORD_DP_METRICS,
@@ -48,7 +48,6 @@ def train_round(
     planned = strategy.train_groups(server_round, node_ids)
     groups = offenders.split(server_round, planned) if secure else planned
     privacy.prepare(cfg, groups)  # dp.*: equal weights, the clip norm, distributed noise (else nothing)
-    config = _train_config(cfg, server_round)
     for group in groups:
         log.info(
             "round %d: training group %s (%d clients)%s",
@@ -58,9 +57,9 @@ def train_round(
             " via SecAgg+" if cfg.secure and strategy.aggregates else "",
         )
     if secure:  # one SecAgg+ run per group, the groups at once (train_groups_secure)
-        results = train_groups_secure(grid, context, server_round, groups, config, cfg.secagg, limits)
+        results = train_groups_secure(grid, context, server_round, groups, cfg.secagg, limits)
     else:
-        results = train_groups_plain(grid, server_round, groups, config, cfg.round_timeout, limits, strategy.check_sum)
+        results = train_groups_plain(grid, server_round, groups, cfg.round_timeout, limits, strategy.check_sum)
         privacy.add_central_noise(cfg, results)
     for group, result in zip(groups, results):
         for nid in result.metrics:
@@ -73,12 +72,6 @@ def train_round(
     if secure:
         offenders.observe(server_round, results)
     return results, combine(planned, results)
-
-
-def _train_config(cfg: RunConfig, server_round: int) -> dict[str, Any]:
-    """What every train instruction of the round says: its round (how many there are, the client reads from the
-    run config both halves are given)."""
-    return {SERVER_ROUND: server_round}
 
 
 def reply_limits(cfg: RunConfig, max_update_norm: float | None = None) -> ReplyLimits:

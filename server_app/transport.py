@@ -23,12 +23,19 @@ from typing import Any
 from flwr.app import Message, MessageType, RecordDict
 
 from common.logs import get_logger, one_line
-from common.records import (
+from common.messages import (
     ADAPTER_DIGEST,
     QUERY_INITIAL,
     QUERY_REPORT,
-    SEND_ADAPTER,
-    SERVER_ROUND,
+    WEIGHT_BY_EXAMPLES,
+    Part,
+    QueryPart,
+    RoundPart,
+    SecAggPart,
+    WeightingPart,
+    encode,
+)
+from common.records import (
     ReplyError,
     adapter_digest,
     eval_instruction,
@@ -51,7 +58,7 @@ from common.reply_checks import (
 )
 from server_app.admission import read_identity
 from strategies.aggregation import weighted_mean
-from strategies.base import WEIGHT_BY, WEIGHT_BY_EXAMPLES, Arrays, ClientInfo, Group, GroupResult
+from strategies.base import Arrays, ClientInfo, Group, GroupResult
 
 log = get_logger("tessera.server")
 
@@ -126,7 +133,6 @@ def train_groups_plain(
     grid,
     server_round: int,
     groups: list[Group],
-    config: dict[str, Any],
     timeout: float,
     limits: ReplyLimits,
     check_sum: Callable[[GroupResult], str | None] | None = None,
@@ -139,7 +145,7 @@ def train_groups_plain(
     messages = []
     for group in groups:
         for nid in group.members:
-            instruction = train_instruction(group.start[nid], member_config(group, config, nid))
+            instruction = train_instruction(group.start[nid], member_config(group, server_round, nid))
             messages.append(
                 Message(instruction, dst_node_id=nid, message_type=MessageType.TRAIN, group_id=str(server_round))
             )
@@ -196,23 +202,20 @@ def _accept_train_reply(
     return arrays, n, metrics, notes
 
 
-def member_config(group: Group, config: dict[str, Any], node_id: int) -> dict[str, Any]:
-    """A member's train-instruction config: the round's, the group's, its own, and how it weighs its update. A key
-    two of them set is a strategy's mistake (one would silently win): ValueError naming it and where it came from."""
-    sources = {
-        "the round": config,
-        f"group {group.name}": group.config,
-        f"node {node_id}'s own": group.member_configs.get(node_id, {}),
-        "the weighting": {WEIGHT_BY: group.weight_by},
-    }
-    merged: dict[str, Any] = {}
-    said: dict[str, str] = {}
-    for source, values in sources.items():
-        for key, value in values.items():
-            if key in merged:
-                raise ValueError(f"train instruction: key {key!r} set by {said[key]} and by {source}")
-            merged[key], said[key] = value, source
-    return merged
+def member_config(group: Group, server_round: int, node_id: int, secagg: SecAggPart | None = None) -> dict[str, Any]:
+    """A member's train-instruction config (``common.messages``): the round, the strategy's part for the group and
+    for the member, how it weighs its update, and differential privacy's and SecAgg+'s parts where the run has them.
+    A key two of them set is a strategy's mistake (one would silently win): ValueError naming it and both sources."""
+    return encode(
+        {
+            "the round": RoundPart(server_round=server_round),
+            f"group {group.name}": group.config,
+            f"node {node_id}'s own": group.member_configs.get(node_id),
+            "the weighting": WeightingPart(weight_by=group.weight_by),
+            "differential privacy": group.dp,
+            "SecAgg+": secagg,
+        }
+    )
 
 
 def max_weight(group: Group, examples_per_round: int) -> float:
@@ -226,19 +229,18 @@ def evaluate_nodes(
     grid,
     server_round: int,
     arrays_by_node: dict[int, Arrays],
-    config: dict[str, Any],
     timeout: float,
-    config_by_node: dict[int, dict[str, Any]] | None = None,
+    config_by_node: Mapping[int, Part | None] | None = None,
     max_examples: int | None = None,
     partitions: dict[int, int] | None = None,
 ) -> dict[int, dict | str]:
     """Federated evaluation: each node evaluates its adapter on its held-out split; metrics or a reason per node.
-    ``config_by_node`` adds to ``config`` per node (e.g. the shapes of what ATLAS sends that node); a reply is
-    refused when it evaluated more than ``max_examples`` or names another partition than ``partitions`` (node ->
-    the partition it was admitted with) holds for it."""
+    ``config_by_node``: the strategy's part of each node's instruction (e.g. the shapes of what ATLAS sends it); a
+    reply is refused when it evaluated more than ``max_examples`` or names another partition than ``partitions``
+    (node -> the partition it was admitted with) holds for it."""
     messages = [
         Message(
-            eval_instruction(arrays, {**config, **(config_by_node or {}).get(nid, {})}),
+            eval_instruction(arrays, _eval_config(server_round, (config_by_node or {}).get(nid))),
             dst_node_id=nid,
             message_type=MessageType.EVALUATE,
             group_id=f"eval-{server_round}",
@@ -258,6 +260,10 @@ def evaluate_nodes(
     return out
 
 
+def _eval_config(server_round: int, part: Part | None) -> dict[str, Any]:
+    return encode({"the round": RoundPart(server_round=server_round), "the strategy": part})
+
+
 def query_clients(
     grid,
     node_ids: list[int],
@@ -275,7 +281,9 @@ def query_clients(
     already agreed, for nodes that join later."""
     messages = [
         Message(
-            query_instruction(QUERY_INITIAL, {SEND_ADAPTER: False}), dst_node_id=nid, message_type=MessageType.QUERY
+            query_instruction(0, QueryPart(query=QUERY_INITIAL, send_adapter=False)),
+            dst_node_id=nid,
+            message_type=MessageType.QUERY,
         )
         for nid in node_ids
     ]
@@ -329,7 +337,7 @@ def _fetch_adapter(grid, holders: dict[int, tuple[int, str, str, Arrays]], timeo
     for nid in sorted(n for n, a in holders.items() if a[2] == digest):
         arrays = holders[nid][3]
         if not arrays:
-            content = query_instruction(QUERY_INITIAL, {SEND_ADAPTER: True})
+            content = query_instruction(0, QueryPart(query=QUERY_INITIAL, send_adapter=True))
             replies = _send(grid, [Message(content, dst_node_id=nid, message_type=MessageType.QUERY)], timeout)
             try:
                 arrays = read_initial_reply(_content(replies[nid]))[0] if nid in replies else {}
@@ -349,7 +357,7 @@ def collect_reports(
     validated by ``read_report``: the reports, the nodes left out (with the reason) and each report's array bytes."""
     messages = [
         Message(
-            query_instruction(QUERY_REPORT, {SERVER_ROUND: server_round}),
+            query_instruction(server_round, QueryPart(query=QUERY_REPORT)),
             dst_node_id=nid,
             message_type=MessageType.QUERY,
             group_id=f"report-{server_round}",

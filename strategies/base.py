@@ -13,31 +13,22 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from common.messages import WEIGHT_BY_EXAMPLES, WEIGHT_EQUALLY, DpPart, Part
 from common.plots import drawn
 from common.secure_bounds import MIN_SECURE_GROUP  # noqa: F401  (re-exported: groups are sized by it)
 
 if TYPE_CHECKING:
     from common.config import RunConfig
 
+__all__ = ["WEIGHT_BY_EXAMPLES", "WEIGHT_EQUALLY"]  # re-exported: how a strategy weighs a group (common.messages)
 Arrays = dict[str, np.ndarray]
-
-# How a member's update is weighted in its group's sum (``Group.weight_by``). The client reports the weight as its
-# reply's ``num_examples`` (what SecAgg+ multiplies by before masking), so plain and secure sums agree.
-# train-instruction keys in secure mode: SecAgg+'s clipping range and the group's max weight, so that a member can
-# count the values SecAgg+ will clip (reported as the train metric "secagg_clipped")
-SECAGG_CLIP, SECAGG_MAX_WEIGHT = "secagg-clipping-range", "secagg-max-weight"
-# and the L2 norm a member clips its own update to before masking (the server cannot clip what it cannot see)
-SECAGG_CLIP_NORM = "secagg-clip-norm"
-WEIGHT_BY = "weight-by"  # the train-instruction config key that carries it
-WEIGHT_BY_EXAMPLES = "examples"  # the examples it trained on this round (FedAvg)
-WEIGHT_EQUALLY = "equal"  # 1 each: a plain mean (or, with max_weight 1, a plain sum's share)
 
 
 def partition_state(prefix: str, by_partition: dict[int, Arrays]) -> dict[str, Arrays]:
@@ -78,21 +69,25 @@ class Group:
         name: a label for logs and metrics.
         start: per member node id, the adapter it trains from this round.
         send_back: the array names members return (default: every name in ``start``).
-        config: extra train-instruction settings for the members (e.g. the blocks SimGrad routes them to).
-        member_configs: per member node id, settings for that member only (e.g. its own LoRA ranks).
-        weight_by: each member's weight in the group's sum: ``"examples"``, ``"equal"`` or a name the strategy's
-            client half knows (``StrategyClient.member_weight``); the client reports it as a whole number.
+        config: the strategy's part of the members' train instructions (its ``StrategySpec.wire`` schema, e.g. the
+            blocks SimGrad routes them to), or None.
+        member_configs: per member node id, its part for that member only (e.g. its own LoRA ranks).
+        weight_by: each member's weight in the group's sum (``common.messages.WeightingPart``): ``"examples"``,
+            ``"equal"`` or a name the strategy's client half knows (``StrategyClient.member_weight``); the client
+            reports it as a whole number.
         max_weight: SecAgg+'s ``max_weight`` for this group (weights are divided by it and clipped at 1 before
             masking); None: the examples a member may train per round for ``"examples"``, else 1.
+        dp: differential privacy's part of the members' instructions (set by the ServerApp under ``dp.*``).
     """
 
     name: str
     start: dict[int, Arrays]
     send_back: list[str] | None = None
-    config: dict[str, Any] = field(default_factory=dict)
-    member_configs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    config: Part | None = None
+    member_configs: Mapping[int, Part] = field(default_factory=dict)
     weight_by: str = WEIGHT_BY_EXAMPLES
     max_weight: float | None = None
+    dp: DpPart | None = None
 
     @property
     def members(self) -> list[int]:
@@ -205,9 +200,10 @@ class Strategy(ABC):
     def eval_arrays(self, node_id: int) -> Arrays:
         """The adapter ``node_id`` is evaluated with (and keeps, at the end)."""
 
-    def eval_config(self, node_id: int) -> dict[str, Any]:
-        """Settings for ``node_id``'s evaluate instruction beside its arrays (default: none)."""
-        return {}
+    def eval_config(self, node_id: int) -> Part | None:
+        """The strategy's part of ``node_id``'s evaluate instruction beside its arrays (default: none; ATLAS: the
+        ranks its arrays travel at)."""
+        return None
 
     @abstractmethod
     def state_dict(self) -> dict[str, Arrays]:

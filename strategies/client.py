@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from common.adapters import AdapterKind, ClientState
     from common.config import RunConfig
     from common.data import Example
+    from common.messages import Part
 
 
 class ProbeModel(Protocol):
@@ -81,11 +82,12 @@ class StrategyClient:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
-    def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
-        """Adapt the client to a train or evaluate instruction's config before its arrays are read (ATLAS: attach
-        the client's own LoRA ranks); default: nothing."""
+    def configure(self, rt: ClientRuntime, wire: Part | None) -> None:
+        """Adapt the client to a train or evaluate instruction before its arrays are read (``wire``: the strategy's
+        part of it, its ``StrategySpec.wire`` schema read, or None; ATLAS: attach the client's own LoRA ranks);
+        default: nothing."""
 
-    def wire_reference(self, rt: ClientRuntime, config: dict[str, Any]) -> Arrays:
+    def wire_reference(self, rt: ClientRuntime, wire: Part | None) -> Arrays:
         """The names and shapes of the arrays the server sends with this instruction (and a train reply carries);
         default: the adapter's own."""
         return rt.adapter.initial
@@ -94,7 +96,7 @@ class StrategyClient:
         """What the adapter starts this message from, given what the server sent (None: nothing); default: that."""
         return received
 
-    def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
+    def ready(self, rt: ClientRuntime, wire: Part | None, training: bool) -> None:
         """The adapter now holds what this message starts from: set up what depends on it before training
         (``training``) or evaluation (VEMoE probes its experts and routes); default: nothing."""
 
@@ -107,7 +109,8 @@ class StrategyClient:
         return arrays, {}
 
     def member_weight(self, weight_by: str, train_metrics: dict[str, Any]) -> int:
-        """This member's whole-number weight in its group's sum, as the group asked (``Group.weight_by``)."""
+        """This member's whole-number weight in its group's sum, as the group asked (``Group.weight_by``): a strategy
+        with a weighting of its own overrides it (the toy strategy of the tests weighs by partition)."""
         if weight_by == WEIGHT_BY_EXAMPLES:
             return int(train_metrics["train_examples"])
         if weight_by == WEIGHT_EQUALLY:

@@ -23,9 +23,11 @@ REGISTRY: dict[str, StrategySpec] = {}
 
 
 def register(spec: StrategySpec) -> StrategySpec:
-    """Add a strategy; its name, config section key and state keys must not clash with another's."""
+    """Add a strategy; its name, config section key and state keys must not clash with another's, nor its wire
+    keys with a core message part's (``common.messages``)."""
     from common.adapters import ADAPTER_KINDS
     from common.config import RunConfig
+    from common.messages import clashes
 
     if spec.name in REGISTRY and REGISTRY[spec.name] != spec:
         raise ValueError(f"strategy '{spec.name}' is already registered")
@@ -45,6 +47,8 @@ def register(spec: StrategySpec) -> StrategySpec:
         )
         if not key or key.replace("-", "_") in taken or key in taken:
             raise ValueError(f"strategy '{spec.name}': config section key '{key}' is empty or taken")
+    if spec.wire is not None and (taken_keys := clashes(spec.wire)):
+        raise ValueError(f"strategy '{spec.name}': its wire keys {taken_keys} are a core message part's")
     for shared in spec.shared_sections:
         owners = [s.name for s in REGISTRY.values() if s.section is not None and s.section.key == shared.key]
         if shared.key.replace("-", "_") in RunConfig.model_fields or shared.key in ADAPTER_KINDS or owners:

@@ -15,6 +15,7 @@ from .client import StrategyClient
 
 if TYPE_CHECKING:
     from common.config import RunConfig, Section
+    from common.messages import Part
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class StrategySpec:
         adapter_from: for a strategy that trains any kind (the local-only baseline), the kind a run config picks;
             None: always ``adapter``.
         shared_sections: sections it shares with other strategies (ATLAS's and MIRA's ``fingerprint.*``).
+        wire: its part of the train and evaluate instructions (a ``common.messages.Part`` whose fields' aliases are
+            its keys, e.g. ATLAS's ranks), or None: it sends none. The client reads it into that part and refuses a
+            key no schema of the run has; registration refuses a key a core part has.
         dp_refusal: why a differentially private run (``dp.mode``) of it cannot be accounted: what it releases
             beside its group sums (None: nothing, so the sums' noise covers it). A new strategy is refused until it
             says.
@@ -45,6 +49,7 @@ class StrategySpec:
     section: type[Section] | None = None
     adapter_from: Callable[[RunConfig], str] | None = None
     shared_sections: tuple[type[Section], ...] = ()
+    wire: type[Part] | None = None
     dp_refusal: str | None = "it has not declared what it releases beside its group sums"
     record_dp_refusal: str | None = "it has not declared what it computes from the records outside DP-SGD"
 

@@ -12,10 +12,12 @@ from common.adapters import ClientState, adapter_kind
 from common.adapters.lora import LoraAdapter
 from common.adapters.lora import ranks as lora_ranks
 from common.data import ClientData, Example
+from common.messages import decode
 from common.model import load_base_model, load_tokenizer
 from common.training import train_round
 from strategies import load_run_config, strategy_spec
 from strategies.atlas import AtlasClient, AtlasSection
+from strategies.atlas.wire import AtlasWire
 
 EXAMPLES = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8)]
 
@@ -39,7 +41,8 @@ def test_own_ranks_are_attached_trained_and_sent_padded_with_masks(tiny_llama_di
     paths = sorted(lora_ranks.layers(rt.adapter.initial))
     own = {p: (2 if i % 2 else 6) for i, p in enumerate(paths)}
     wire = {p: 8 for p in paths}
-    config = {"lora-ranks": ",".join(str(own[p]) for p in paths), "wire-ranks": ",".join("8" for _ in paths)}
+    sent = {"lora-ranks": ",".join(str(own[p]) for p in paths), "wire-ranks": ",".join("8" for _ in paths)}
+    config = decode(AtlasWire, sent)  # as the instruction arrives
     client = rt.strategy
     client.configure(rt, config)
     assert lora_ranks.ranks(rt.adapter.initial) == own  # the client's own adapter, not the wire's
@@ -73,8 +76,8 @@ def test_own_ranks_are_attached_trained_and_sent_padded_with_masks(tiny_llama_di
 
 def test_without_ranks_the_client_uses_the_runs_adapter_and_a_nodes_budget_wins(tiny_llama_dir):
     rt = runtime(tiny_llama_dir, {"memory-mb": 2.5})
-    rt.strategy.configure(rt, {})
+    rt.strategy.configure(rt, None)
     assert set(lora_ranks.ranks(rt.adapter.initial).values()) == {4}
-    assert rt.strategy.wire_reference(rt, {}) is rt.adapter.initial
+    assert rt.strategy.wire_reference(rt, None) is rt.adapter.initial
     assert rt.cfg.section(AtlasSection).budget(0, rt.node_config) == 2.5  # over the run's atlas.memory-mb = 3
     assert rt.cfg.section(AtlasSection).budget(0, {}) == 3.0

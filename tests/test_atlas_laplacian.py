@@ -33,7 +33,7 @@ def test_plaintext_neighbour_terms_are_exact_and_stay_inside_each_cluster():
         np.testing.assert_allclose(strategy.eval_arrays(100 + k)["a"], expected, rtol=1e-5)
         assert all(a[k, j] == 0 for j in range(6) if clusters[j] != clusters[k])
         np.testing.assert_allclose(a[k].sum(), 1.0)
-    assert strategy.eval_config(100)["neighbour-term"] is True
+    assert strategy.eval_config(100).neighbour_term is True
     assert row["laplacian_eta"] == 0.5 and len(row["adjacency_raw"]) == 6
 
 
@@ -78,7 +78,7 @@ def test_with_ranks_each_slot_is_mixed_over_the_neighbours_that_have_it():
     sent = {}
     for g in groups:
         (nid,) = g.members
-        own = int(g.member_configs[nid]["lora-ranks"].split(",")[0])
+        own = int(g.member_configs[nid].wire()["lora-ranks"].split(",")[0])
         arrays = dict(g.start[nid])
         arrays[a_name] = np.where(np.arange(arrays[a_name].shape[0])[:, None] < own, float(nid - 99), 0.0)
         arrays[a_name] = arrays[a_name] * np.ones_like(g.start[nid][a_name])

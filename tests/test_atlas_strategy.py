@@ -151,7 +151,7 @@ def test_ranks_follow_budget_and_importance_and_travel_padded_with_masks():
         assert start[PEFT.format(0, "A")].shape == (wire[0], 64)
         own = row["ranks"][str(nid - 100)]
         np.testing.assert_array_equal(start["rank-mask.model.layers.0.self_attn.q_proj"], np.arange(wire[0]) < own[0])
-        assert group.member_configs[nid] == {
+        assert group.member_configs[nid].wire() == {
             "lora-ranks": ",".join(map(str, own)),
             "wire-ranks": ",".join(map(str, wire)),
         }

@@ -83,17 +83,17 @@ def test_simgrad_routes_pqlora_to_the_blocks_its_group_was_sent(adapter):
     from types import SimpleNamespace
 
     from strategies.simgrad import SimGradClient
-    from strategies.simgrad.wire import blocks_config
+    from strategies.simgrad.wire import SimGradWire
 
     pq, _, cfg = adapter
     simgrad, rt = SimGradClient(cfg), SimpleNamespace(adapter=pq)
     pq.begin(context(4), None)
-    simgrad.ready(rt, {"server-round": 1, **blocks_config([1])}, training=True)
+    simgrad.ready(rt, SimGradWire(active_blocks=(1,)), training=True)
     assert pq.active_blocks == [1]
     assert sorted(pq.outgoing()[0]) == sorted(k for k in pq.initial if k.startswith("block1."))
     pq.begin(context(4), None)  # the next message: every block until its group's routing says otherwise
     assert pq.active_blocks is None
-    simgrad.ready(rt, {"server-round": 1}, training=False)  # an evaluation carries no routing
+    simgrad.ready(rt, None, training=False)  # an evaluation carries no routing
     assert pq.active_blocks is None and sorted(pq.received()) == sorted(pq.initial)
 
 

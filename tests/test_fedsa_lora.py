@@ -18,9 +18,9 @@ from flwr.simulation import run_simulation
 
 from common.adapters import ClientState
 from common.config import SecAggSection
+from common.messages import QUERY_INITIAL, QueryPart, RoundPart, read_train
 from common.records import (
     FITRES_ARRAYS,
-    QUERY_INITIAL,
     eval_instruction,
     initial_reply,
     query_instruction,
@@ -35,7 +35,6 @@ from common.records import (
 from common.reply_checks import IDENTITY_METRICS, ReplyLimits
 from strategies import ClientInfo, GroupResult, load_run_config, strategy_spec
 from strategies.aggregation import secagg_error_bound, secagg_weights
-from strategies.base import SECAGG_MAX_WEIGHT
 from strategies.fedsa_lora import OWN_B, FedSALora, FedSALoraClient
 from strategies.fedsa_lora.selective import merge, private_part, shared_part, split
 
@@ -122,7 +121,7 @@ def test_the_server_averages_only_the_a_matrices_weighted_by_examples():
         sent[node] = whole
         return train_reply(shared_part(whole) if node != 4 else whole, examples(node - 1), {"partition-id": node - 1})
 
-    (result,) = train_groups_plain(AnswerGrid(answer, shared_part(adapter())), 1, [group], {}, 1.0, LIMITS)
+    (result,) = train_groups_plain(AnswerGrid(answer, shared_part(adapter())), 1, [group], 1.0, LIMITS)
     assert result.contributors == [1, 2, 3] and "layout" in result.rejected[4]  # 32 numbers, expected 16
     strategy.update(1, [result])
     expected = reference_mean([sent[n] for n in (1, 2, 3)], [examples(p) for p in range(3)])
@@ -215,7 +214,7 @@ def test_a_client_trains_a_and_b_sends_only_a_keeps_b_and_saves_its_whole_adapte
     global_a = shared_part(whole)
     assert not any(np.any(b) for b in private_part(whole).values())  # peft's init: B = 0
 
-    instruction = train_instruction(global_a, {"server-round": 1, "num-server-rounds": 1})
+    instruction = train_instruction(global_a, RoundPart(server_round=1).wire())
     reply = train(Message(instruction, dst_node_id=1, message_type=MessageType.TRAIN), alice)
     (packed,) = reply.content.array_records[FITRES_ARRAYS].values()
     assert packed.numpy().size == sum(a.size for a in global_a.values())  # the reply holds A's numbers, no more
@@ -228,7 +227,10 @@ def test_a_client_trains_a_and_b_sends_only_a_keeps_b_and_saves_its_whole_adapte
     assert sorted(own_b) == sorted(private_part(whole)) and max(np.abs(b).max() for b in own_b.values()) > 0
 
     # the initial query (answered before round 1, and to a node that rejoins) carries the seeded adapter: B = 0
-    initial = query(Message(query_instruction(QUERY_INITIAL), dst_node_id=1, message_type=MessageType.QUERY), alice)
+    initial = query(
+        Message(query_instruction(0, QueryPart(query=QUERY_INITIAL)), dst_node_id=1, message_type=MessageType.QUERY),
+        alice,
+    )
     assert not any(np.any(b) for b in private_part(read_initial_reply(initial.content)[0]).values())
 
     # bob shares the process and the model: he starts from the initial B, not from alice's
@@ -237,7 +239,9 @@ def test_a_client_trains_a_and_b_sends_only_a_keeps_b_and_saves_its_whole_adapte
 
     # the last round's evaluation: global A + her own B, saved as her PEFT directory; the reply holds no arrays
     new_a = {k: (v + 0.01).astype(np.float32) for k, v in sent_a.items()}
-    message = Message(eval_instruction(new_a, {"server-round": 1}), dst_node_id=1, message_type=MessageType.EVALUATE)
+    message = Message(
+        eval_instruction(new_a, RoundPart(server_round=1).wire()), dst_node_id=1, message_type=MessageType.EVALUATE
+    )
     metrics_reply = evaluate_handler(message, alice)
     assert len(metrics_reply.content.array_records) == 0
     saved = run_dir / "client-adapters" / "partition-0"
@@ -283,12 +287,13 @@ def both_modes_in_process(tmp_path: str) -> None:
     def train(msg: Message, context: Context) -> Message:
         partition = int(context.node_config["partition-id"])
         rt = SimpleNamespace(adapter=SimpleNamespace(initial=adapter()), state=ClientState(context.state, (OWN_B,)))
-        config = read_train_config(msg.content)
-        start = half.start(rt, read_train_arrays(msg.content, half.wire_reference(rt, config)))
+        instruction = read_train(read_train_config(msg.content), None)
+        start = half.start(rt, read_train_arrays(msg.content, half.wire_reference(rt, None)))
         sent, _ = half.outgoing(rt, trained(partition, start))
         messages = len(list(out.glob(f"b-{partition}-*.npz")))
         np.savez(out / f"b-{partition}-{messages + 1}.npz", **rt.state.get(OWN_B))
-        weight = min(examples(partition), int(float(config.get(SECAGG_MAX_WEIGHT, MAX_WEIGHT))))
+        cap = instruction.secagg.max_weight if instruction.secagg is not None else MAX_WEIGHT
+        weight = min(examples(partition), int(cap))
         return Message(train_reply(sent, weight, {"partition-id": partition}), reply_to=msg)
 
     server = ServerApp()
@@ -303,9 +308,9 @@ def both_modes_in_process(tmp_path: str) -> None:
             strategy.initialise(clients)
             groups = strategy.train_groups(1, nodes)
             if secure:
-                results = train_groups_secure(grid, context, 1, groups, {"server-round": 1}, SecAggSection(), LIMITS)
+                results = train_groups_secure(grid, context, 1, groups, SecAggSection(), LIMITS)
             else:
-                results = train_groups_plain(grid, 1, groups, {"server-round": 1}, 60, LIMITS)
+                results = train_groups_plain(grid, 1, groups, 60, LIMITS)
             strategy.update(1, results)
             result["secure" if secure else "plain"] = {
                 "contributors": sorted(clients[n].partition_id for n in results[0].contributors),

@@ -13,6 +13,7 @@ from test_toy_strategy import config, run
 
 from common.config import ConfigError, DataSection
 from common.data import client_data
+from common.messages import RoundPart, read_train
 from common.records import read_sent_adapter, read_train_instruction, train_instruction
 from strategies import ClientInfo, load_run_config, strategy_spec
 from strategies.local import LocalOnly
@@ -26,9 +27,10 @@ def test_local_sends_nothing_and_groups_each_client_alone():
     assert [(g.name, g.members, g.start) for g in groups] == expected
     assert server.eval_arrays(7) == {} and server.state_dict() == {} and server.final_adapters() == []
     assert not server.aggregates  # secure mode has nothing to mask: the plain transport carries its metrics
-    content = train_instruction({}, {"server-round": 1})
+    content = train_instruction({}, RoundPart(server_round=1).wire())
     arrays, settings = read_train_instruction(content, {"w": np.ones(3, np.float32)})
-    assert arrays is None and settings["server-round"] == 1  # "nothing sent": the client starts from its own
+    # "nothing sent": the client starts from its own
+    assert arrays is None and read_train(settings, None).round.server_round == 1
     sent = train_instruction({"w": np.ones(3, np.float32)}, {})
     (record,) = sent.array_records.values()
     assert read_sent_adapter(record, {"w": np.zeros(3, np.float32)})["w"].tolist() == [1, 1, 1]

@@ -12,11 +12,12 @@ from flwr.app import Context, RecordDict
 
 from client_app import member_ledger
 from client_app.handlers import private_update
-from common.privacy import DP_CLIP_NORM, DP_DELTA, DP_NOISE_MULTIPLIER, epsilon_of
+from common.messages import DpPart, SecAggPart
+from common.privacy import epsilon_of
 from common.reply_checks import update_norm
-from strategies.base import SECAGG_CLIP_NORM
 
-PRIVATE = {DP_CLIP_NORM: 1.0, DP_NOISE_MULTIPLIER: 2.0, DP_DELTA: 1e-5}
+PRIVATE = DpPart(clip_norm=1.0, noise_multiplier=2.0, delta=1e-5)
+SECURE = SecAggPart(clipping_range=8.0, max_weight=1.0, clip_norm=1.0)
 
 
 def node(state_dir, run_dir: str = "runs/a", resume: bool = False) -> Context:
@@ -37,7 +38,7 @@ def test_the_ledger_survives_a_restarted_node_and_a_fresh_run_over_the_same_data
 
 
 def test_a_round_without_noise_is_counted_and_no_epsilon_is_claimed_after_it(tmp_path):
-    assert member_ledger.record(node(tmp_path), 1, {}) == {}  # a plain round: counted, nothing said
+    assert member_ledger.record(node(tmp_path), 1, None) == {}  # a plain round: counted, nothing said
     said = member_ledger.record(node(tmp_path), 2, PRIVATE)
     assert said == {"dp_member_releases": 2, "dp_member_releases_without_noise": 1}  # epsilon infinity: not a number
     assert math.isinf(epsilon_of([0.0, 2.0], 1e-5))
@@ -63,14 +64,14 @@ def test_under_dp_an_update_that_cannot_be_counted_is_not_sent(tmp_path):
     blocked.write_text("not a directory")
     with pytest.raises(OSError, match="privacy ledger"):
         member_ledger.record(node(blocked), 1, PRIVATE)
-    assert member_ledger.record(node(blocked), 1, {}) == {}  # without dp.*, the round goes on (logged once)
+    assert member_ledger.record(node(blocked), 1, None) == {}  # without dp.*, the round goes on (logged once)
 
 
 def test_a_private_update_is_clipped_once_to_the_tighter_norm():
     sent = {"w": np.zeros(4, np.float32)}
     updated = {"w": np.array([3.0, 4.0, 0.0, 0.0], np.float32)}  # norm 5
-    out = private_update(updated, sent, {DP_CLIP_NORM: 2.0, SECAGG_CLIP_NORM: 1.0}, 0)
+    out = private_update(updated, sent, PRIVATE.model_copy(update={"clip_norm": 2.0}), SECURE, 0)
     assert update_norm(out, sent) == pytest.approx(1.0)
-    out = private_update(updated, sent, {DP_CLIP_NORM: 0.5, SECAGG_CLIP_NORM: 1.0}, 0)
+    out = private_update(updated, sent, PRIVATE.model_copy(update={"clip_norm": 0.5}), SECURE, 0)
     assert update_norm(out, sent) == pytest.approx(0.5)
     np.testing.assert_allclose(out["w"] / 0.5, updated["w"] / 5.0, rtol=1e-6)  # scaled, not cut twice

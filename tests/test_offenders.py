@@ -97,10 +97,11 @@ def test_an_accepted_round_clears_a_members_strikes_and_exclude_after_0_never_ex
 def test_each_subgroup_of_a_split_group_gets_its_own_config_and_its_own_dp_noise_share():
     """Subgroups of one secure group are sized apart, so distributed DP sizes each one's noise share for its own
     members: a config shared between them would give every subgroup the last one's share."""
-    from common.privacy import DP_NOISE_STD, fewest_members, share_std
+    from common.privacy import fewest_members, share_std
     from common.secure_bounds import reconstruction_threshold
     from server_app import privacy
     from strategies import load_run_config
+    from strategies.simgrad.wire import SimGradWire
 
     cfg = load_run_config(
         {
@@ -116,14 +117,14 @@ def test_each_subgroup_of_a_split_group_gets_its_own_config_and_its_own_dp_noise
     offenders = Offenders(exclude_after=3, seed=0)
     offenders.strikes.update({1: 1, 2: 1})
     whole = group("pool", range(1, 10))
-    whole.config["shared"] = "x"
+    whole.config = SimGradWire(active_blocks=(1,))
     parts = offenders.split(1, [whole])
     assert sorted(len(p.members) for p in parts) == [4, 5]
     privacy.prepare(cfg, parts)
     for part in parts:
         size = len(part.members)
         threshold = reconstruction_threshold(size, cfg.secagg.num_shares, cfg.secagg.reconstruction_threshold)
-        assert part.config[DP_NOISE_STD] == share_std(1.0, 0.1, fewest_members(size, threshold))
-        assert part.config["shared"] == "x"
-    assert parts[0].config[DP_NOISE_STD] != parts[1].config[DP_NOISE_STD]
-    assert DP_NOISE_STD not in whole.config  # the planned group is left as the strategy made it
+        assert part.dp is not None and part.dp.noise_std == share_std(1.0, 0.1, fewest_members(size, threshold))
+        assert part.config == whole.config  # the strategy's part, shared
+    assert parts[0].dp != parts[1].dp
+    assert whole.dp is None  # the planned group is left as the strategy made it

@@ -13,9 +13,8 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 
 from common.config import ConfigError
+from common.messages import read_train
 from common.privacy import (
-    DP_CLIP_NORM,
-    DP_NOISE_STD,
     epsilon_of,
     epsilon_spent,
     fewest_members,
@@ -104,11 +103,11 @@ def test_each_member_adds_its_share_and_the_fewest_the_sum_can_hold_carry_the_wh
     groups = [Group("a", {n: {} for n in range(5)}), Group("b", {n: {} for n in range(10, 13)})]
     privacy.prepare(cfg, groups)
     for group in groups:
-        assert group.weight_by == WEIGHT_EQUALLY and group.config[DP_CLIP_NORM] == 1.0
+        assert group.weight_by == WEIGHT_EQUALLY and group.dp is not None and group.dp.clip_norm == 1.0
         size = len(group.members)
         fewest = fewest_members(size, reconstruction_threshold(size, 1.0, 0.67))  # SecAgg+'s, at the defaults
-        assert group.config[DP_NOISE_STD] == pytest.approx(1.5 / math.sqrt(fewest))
-        assert fewest * group.config[DP_NOISE_STD] ** 2 == pytest.approx(1.5**2)  # the whole noise, at the fewest
+        assert group.dp.noise_std == pytest.approx(1.5 / math.sqrt(fewest))
+        assert fewest * group.dp.noise_std**2 == pytest.approx(1.5**2)  # the whole noise, at the fewest
     draws = with_noise({"w": np.zeros(50_000, np.float32)}, 0.3, np.random.default_rng(2))["w"]
     assert np.std(draws) == pytest.approx(0.3, rel=0.02)
 
@@ -241,7 +240,7 @@ def test_a_central_round_weighs_members_equally_clips_them_and_noises_only_the_m
     strategy.initialise({nid: ClientInfo(nid, nid, "m", start) for nid in updates})
     limits = reply_limits(cfg)
     _, (result,) = train_round(grid, None, cfg, strategy, 1, [1, 2, 3], Offenders(0, 0), limits)
-    assert all(float(m.content["fitins.config"][DP_CLIP_NORM]) == clip_norm for m in grid.sent)
+    assert all(read_train(m.content["fitins.config"], None).dp.clip_norm == clip_norm for m in grid.sent)
     clipped = [clip_update(updates[n], start, clip_norm)[0] for n in (1, 2, 3)]
     plain_mean = {k: sum(c[k] for c in clipped) / 3 for k in start}
     noise = np.concatenate([(result.mean[k] - plain_mean[k]).ravel() for k in start])

@@ -3,6 +3,7 @@ import pytest
 from flwr.common import FitIns, ndarrays_to_parameters
 from flwr.compat.common.recorddict_compat import fitins_to_recorddict
 
+from common.messages import RoundPart, read_train
 from common.records import (
     FITINS_ARRAYS,
     FITRES_METRICS,
@@ -22,11 +23,11 @@ REF = {"layer.lora_A.weight": np.ones((2, 4), np.float32), "layer.lora_B.weight"
 
 
 def test_packed_round_trip_and_positional_secagg_layout():
-    content = train_instruction(REF, {"server-round": 3})
+    content = train_instruction(REF, RoundPart(server_round=3).wire())
     (key,) = content.array_records[FITINS_ARRAYS].keys()
     assert key.startswith("packed:")  # one Array on the wire, not one per adapter matrix
     arrays, config = read_train_instruction(content, REF)
-    assert config["server-round"] == 3
+    assert read_train(config, None).round.server_round == 3
     for k in REF:
         np.testing.assert_array_equal(arrays[k], REF[k])
     # SecAgg+ re-packs instructions as unnamed legacy Parameters: the one vector is unpacked by position

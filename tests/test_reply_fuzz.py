@@ -83,7 +83,7 @@ def test_plain_every_bad_value_of_every_reply_key_costs_only_its_sender(name, ke
             2: lambda a, value=value: train_reply({k: v + 2.0 for k, v in a.items()}, 10, {**honest(1), key: value}),
         }
         group = Group("all", {nid: START for nid in behaviour})
-        (result,) = train_groups_plain(InMemoryGrid(behaviour), 1, [group], {}, 1.0, limits)
+        (result,) = train_groups_plain(InMemoryGrid(behaviour), 1, [group], 1.0, limits)
         assert 1 in result.contributors, (key, value)  # the honest member is never the one to pay
         if 2 in result.rejected:
             assert f"'{key}'" in result.rejected[2], (key, value, result.rejected[2])
@@ -116,7 +116,7 @@ def test_secure_every_bad_value_of_every_reply_key_refuses_the_aggregate_naming_
 def test_every_bad_value_of_every_eval_reply_key_costs_only_that_nodes_row(key, tmp_path):
     spec = {**EVAL_METRICS, **EVAL_OPTIONAL}[key]
     cfg = load_run_config({"strategy": "fedavg", "eval.max-examples": 4})
-    strategy = SimpleNamespace(eval_arrays=lambda nid: START, eval_config=lambda nid: {})
+    strategy = SimpleNamespace(eval_arrays=lambda nid: START, eval_config=lambda nid: None)
     for n, value in enumerate(BAD):
         behaviour = {
             1: lambda content: metrics_reply({**HONEST_EVAL, "partition-id": 0}),

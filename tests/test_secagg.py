@@ -14,12 +14,14 @@ from flwr.simulation import run_simulation
 
 from client_app.app import secure_aggregation_mod
 from common.config import SecAggSection
+from common.messages import read_train
 from common.records import read_train_instruction, train_reply
 from common.reply_checks import IDENTITY_METRICS, ReplyLimits
 from server_app.secure import train_group_secure
 from server_app.transport import wait_for_nodes
 from strategies.aggregation import secagg_error_bound, secagg_weights, weighted_mean
 from strategies.base import Group
+from strategies.simgrad.wire import SimGradWire
 
 NAMES = ["x.lora_A.weight", "x.lora_B.weight"]
 START = {"x.lora_A.weight": np.full((3, 4), 0.1, np.float32), "x.lora_B.weight": np.zeros((4, 3), np.float32)}
@@ -72,8 +74,11 @@ def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool, liar: s
     @client.train()
     def train(msg: Message, context: Context) -> Message:
         arrays, config = read_train_instruction(msg.content, start)
-        assert all(np.allclose(arrays[k], start[k]) for k in start) and config["server-round"] == 1
-        assert config.get("group-note", "all") == ("1" if send_back else "all")  # the group's config arrives
+        instruction = read_train(config, SimGradWire)
+        assert all(np.allclose(arrays[k], start[k]) for k in start) and instruction.round.server_round == 1
+        assert instruction.secagg is not None and instruction.secagg.max_weight == MAX_WEIGHT  # SecAgg+'s part
+        routed = instruction.strategy.active_blocks if instruction.strategy else None
+        assert routed == ((1,) if send_back else None)  # the group's config arrives
         update, n = client_update(int(context.node_config["partition-id"]), start, send_back)
         metrics = {"partition-id": int(context.node_config["partition-id"]), "beta": [0.5, 0.4]}
         return Message(train_reply(update, n, metrics), reply_to=msg)
@@ -95,9 +100,11 @@ def secure_round_in_process(tmp_path: str, num_nodes: int, routed: bool, liar: s
     @server.main()
     def main(grid: Grid, context: Context) -> None:
         nodes = wait_for_nodes(grid, num_nodes, timeout=120)
-        group = Group("all", {n: start for n in nodes}, send_back, {"group-note": "1"} if send_back else {})
+        group = Group(
+            "all", {n: start for n in nodes}, send_back, SimGradWire(active_blocks=(1,)) if send_back else None
+        )
         limits = ReplyLimits(examples_per_round=int(MAX_WEIGHT), train_metrics=IDENTITY_METRICS)
-        result = train_group_secure(grid, context, 1, group, {"server-round": 1}, SecAggSection(), limits)
+        result = train_group_secure(grid, context, 1, group, SecAggSection(), limits)
         out_file.write_text(
             json.dumps(
                 {
@@ -195,10 +202,10 @@ def test_the_weight_check_catches_a_wrapped_weight():
 def test_members_count_the_values_secagg_will_clip():
     """SecAgg+ clamps weighted values to +-clipping-range silently; each member counts them so the round says so."""
     from client_app.handlers import secagg_clipped
-    from strategies.base import SECAGG_CLIP, SECAGG_MAX_WEIGHT
+    from common.messages import SecAggPart
 
     update = {"a": np.array([1.0, 9.0, -20.0], np.float32), "b": np.array([[7.9, -8.1]], np.float32)}
-    config = {SECAGG_CLIP: 8.0, SECAGG_MAX_WEIGHT: 10.0}
+    config = SecAggPart(clipping_range=8.0, max_weight=10.0, clip_norm=1.0)
     assert secagg_clipped(update, 10, config) == 3  # 9, -20, -8.1
     assert secagg_clipped(update, 5, config) == 1  # halved: only -20 -> -10
     assert secagg_clipped(update, 50, config) == 3  # the ratio is capped at 1, as members cap their weight
@@ -243,9 +250,7 @@ def hostile_rounds_in_process(tmp_path: str) -> None:
         for server_round, _, size in HOSTILE_ROUNDS:
             members = nodes if not partition_of else sorted(nodes, key=partition_of.__getitem__)[:size]
             group = Group("g", {n: START for n in members})
-            result = train_group_secure(
-                grid, context, server_round, group, {"server-round": server_round}, SecAggSection(), limits
-            )
+            result = train_group_secure(grid, context, server_round, group, SecAggSection(), limits)
             if server_round == 1:
                 partition_of = {n: m["partition-id"] for n, m in result.metrics.items()}
             out[server_round] = {

@@ -76,8 +76,8 @@ def test_routing_sends_only_salient_blocks_and_keeps_the_others():
     strategy.initialise(clients(3))
     strategy.observe_reports(1, reports(3, salience=[[0.1, 5.0], [3.0, 0.2], [0.0, 1.0]]))
     groups = strategy.train_groups(1, [100, 101, 102])
-    assert [g.config["active-blocks"] for g in groups] == ["1", "0", "1"]
-    assert all(all(n.startswith(f"block{g.config['active-blocks']}.") for n in g.send_back) for g in groups)
+    assert [g.config.wire()["active-blocks"] for g in groups] == ["1", "0", "1"]
+    assert all(all(n.startswith(f"block{g.config.wire()['active-blocks']}.") for n in g.send_back) for g in groups)
     ups = [{k: v for k, v in local_update(i).items() if k in g.send_back} for i, g in enumerate(groups)]
     strategy.update(1, [GroupResult(g.name, ups[i], 8.0, g.members) for i, g in enumerate(groups)])
     mixed = strategy.eval_arrays(100)
@@ -167,4 +167,4 @@ def test_one_members_salience_cannot_choose_its_groups_blocks_alone():
     strategy.initialise(clients(3))
     strategy.observe_reports(1, reports(3, salience=[[4.0, 1.0], [4.0, 1.0], [0.0, 1e300]]))
     (group,) = strategy.train_groups(1, [100, 101, 102])
-    assert group.config["active-blocks"] == "0"  # shares: block 0 has 0.8 + 0.8, block 1 0.2 + 0.2 + 1
+    assert group.config.wire() == {"active-blocks": "0"}  # shares: block 0 has 0.8 + 0.8, block 1 0.2 + 0.2 + 1

@@ -105,12 +105,12 @@ def test_a_message_validates_its_run_config_once(tmp_path, monkeypatch):
 
 
 def test_the_identity_pairs_each_key_with_its_value():
-    """``ClientRuntime.identity`` pairs values with ``common.records.IDENTITY_KEYS`` by position: each key must still
-    carry its own value if that tuple is ever reordered."""
+    """``ClientRuntime.identity`` builds ``common.messages.Identity``: every key carries its own value, and a member
+    keeping its evaluation adds no count of its records."""
     from types import SimpleNamespace
 
     from client_app.runtime import ClientRuntime
-    from common.records import IDENTITY_KEYS
+    from common.messages import Identity
 
     fake = SimpleNamespace(
         partition_id=7,
@@ -120,9 +120,9 @@ def test_the_identity_pairs_each_key_with_its_value():
         keeps_evaluation=False,
     )
     identity = ClientRuntime.identity(fake)  # type: ignore[arg-type]
-    assert set(identity) == {*IDENTITY_KEYS, "data-train"}
+    assert set(identity) == {*Identity.keys(), "data-train"}
     kept = ClientRuntime.identity(SimpleNamespace(**{**vars(fake), "keeps_evaluation": True}))  # type: ignore[arg-type]
-    assert set(kept) == set(IDENTITY_KEYS)  # a member keeping its evaluation sends no count of its records
+    assert set(kept) == set(Identity.keys())  # a member keeping its evaluation sends no count of its records
     assert identity["partition-id"] == 7 and identity["tasks"] == "boolq" and identity["data-train"] == 3
     assert identity["model"] == "smollm2-135m-instruct" and identity["state-bytes"] == 42
     assert identity["pid"] == os.getpid() and identity["peak-rss-mb"] > 0 and identity["state-restored"] == ""

@@ -229,7 +229,7 @@ def test_a_secure_group_of_fewer_than_three_is_not_trained():
 
     start = {"w": np.zeros(2, np.float32)}
     pair = Group("pair", {1: start, 2: start})
-    result = train_group_secure(None, None, 1, pair, {}, SecAggSection(), ReplyLimits(examples_per_round=8))
+    result = train_group_secure(None, None, 1, pair, SecAggSection(), ReplyLimits(examples_per_round=8))
     assert result.mean is None and set(result.rejected) == {1, 2} and "2 < 3" in result.rejected[1]
 
 

@@ -14,6 +14,7 @@ from strategies import load_run_config
 from strategies.aggregation import weighted_mean
 from strategies.base import ClientInfo, Group
 from strategies.simgrad import SimGrad, SimGradSection
+from strategies.simgrad.wire import SimGradWire
 
 pytestmark = pytest.mark.usefixtures("task_identity")  # Messages built outside an app (conftest)
 
@@ -84,7 +85,7 @@ def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
     server_log = logging.getLogger("tessera.server")  # it does not propagate to the root logger caplog watches
     server_log.addHandler(caplog.handler)
     try:
-        (result,) = train_groups_plain(grid, 1, [group], {"server-round": 1}, timeout=1.0, limits=LIMITS)
+        (result,) = train_groups_plain(grid, 1, [group], timeout=1.0, limits=LIMITS)
     finally:
         server_log.removeHandler(caplog.handler)
     assert result.contributors == [1, 2]
@@ -101,7 +102,7 @@ def test_bad_replies_are_left_out_and_the_rest_aggregated(caplog):
 
 def test_all_bad_gives_no_mean():
     grid = InMemoryGrid({1: lambda a: None, 2: lambda a: Error(code=0, reason="x")})
-    (result,) = train_groups_plain(grid, 2, [Group("all", {1: START, 2: START})], {}, timeout=1.0, limits=LIMITS)
+    (result,) = train_groups_plain(grid, 2, [Group("all", {1: START, 2: START})], timeout=1.0, limits=LIMITS)
     assert result.mean is None and result.contributors == []
 
 
@@ -112,14 +113,17 @@ def test_groups_train_in_one_batch_and_return_only_their_send_back_names():
 
     def routed(nid):
         def reply(arrays, config):
-            seen[nid] = config["group-note"]
+            seen[nid] = config["active-blocks"]
             return train_reply({"w.lora_A.weight": arrays["w.lora_A.weight"] + nid}, 4, METRICS)
 
         return reply
 
     grid = InMemoryGrid({1: routed(1), 2: routed(2), 3: lambda a: train_reply(a, 4, METRICS)})  # 3 sends too much
-    groups = [Group(f"p{n}", {n: START}, send_back=["w.lora_A.weight"], config={"group-note": "0"}) for n in (1, 2, 3)]
-    results = train_groups_plain(grid, 1, groups, {"server-round": 1}, timeout=1.0, limits=LIMITS)
+    groups = [
+        Group(f"p{n}", {n: START}, send_back=["w.lora_A.weight"], config=SimGradWire(active_blocks=(0,)))
+        for n in (1, 2, 3)
+    ]
+    results = train_groups_plain(grid, 1, groups, timeout=1.0, limits=LIMITS)
     assert grid.batches == 1 and seen == {1: "0", 2: "0"}
     assert [sorted(r.mean) if r.mean else None for r in results] == [["w.lora_A.weight"], ["w.lora_A.weight"], None]
     np.testing.assert_allclose(results[1].mean["w.lora_A.weight"], 2.0)
@@ -207,9 +211,7 @@ def test_fedavg_equals_flowers_own_fedavg_on_the_same_replies():
     grid = InMemoryGrid(
         {nid: (lambda a, nid=nid: train_reply(updates[nid], examples[nid], METRICS)) for nid in updates}
     )
-    ours.update(
-        1, train_groups_plain(grid, 1, ours.train_groups(1, [1, 2, 3]), {"server-round": 1}, timeout=1.0, limits=LIMITS)
-    )
+    ours.update(1, train_groups_plain(grid, 1, ours.train_groups(1, [1, 2, 3]), timeout=1.0, limits=LIMITS))
 
     replies = []
     for nid, update in updates.items():
@@ -267,7 +269,7 @@ def test_a_hostile_reply_costs_only_its_own_contribution(caplog):
         10: metrics_with(secagg_clipped="x"),  # accepted before, then the row builder's int() stopped the run
     }
     grid = InMemoryGrid(behaviour)
-    (result,) = train_groups_plain(grid, 1, [Group("all", {n: START for n in behaviour})], {}, 1.0, limits=LIMITS)
+    (result,) = train_groups_plain(grid, 1, [Group("all", {n: START for n in behaviour})], 1.0, limits=LIMITS)
     assert sorted(result.contributors) == [1, 2]
     expected = weighted_mean([{k: v + 1.0 for k, v in START.items()}, {k: v + 3.0 for k, v in START.items()}], [10, 30])
     for key in START:
@@ -289,7 +291,7 @@ def test_a_weight_beyond_the_instruction_is_capped_and_clipping_is_reported():
         1: good(1.0, 10),
         2: lambda a: _with_count(train_reply({k: v + 3.0 for k, v in a.items()}, 5, METRICS), 1e12),
     }
-    (result,) = train_groups_plain(InMemoryGrid(behaviour), 1, [Group("all", {1: START, 2: START})], {}, 1.0, LIMITS)
+    (result,) = train_groups_plain(InMemoryGrid(behaviour), 1, [Group("all", {1: START, 2: START})], 1.0, LIMITS)
     assert result.metrics[2]["num_examples"] == LIMITS.examples_per_round
     assert "capped at 100" in result.metrics[2]["robust"][0]
     expected = weighted_mean(
@@ -299,7 +301,7 @@ def test_a_weight_beyond_the_instruction_is_capped_and_clipping_is_reported():
         np.testing.assert_allclose(result.mean[key], expected[key], rtol=1e-6)
 
     clip = ReplyLimits(examples_per_round=100, clip_norm=1.0)
-    (result,) = train_groups_plain(InMemoryGrid({1: good(1.0, 10)}), 1, [Group("all", {1: START})], {}, 1.0, clip)
+    (result,) = train_groups_plain(InMemoryGrid({1: good(1.0, 10)}), 1, [Group("all", {1: START})], 1.0, clip)
     from common.reply_checks import update_norm
 
     assert update_norm(result.mean, START) == pytest.approx(1.0, rel=1e-5)
@@ -342,7 +344,7 @@ def test_an_evaluation_reply_claiming_more_examples_or_another_partition_loses_o
         3: lambda content: metrics_reply({**good_eval, "partition-id": 0}),  # node 3 was admitted as partition 2
     }
     grid = InMemoryGrid(behaviour)
-    out = evaluate_nodes(grid, 1, {n: START for n in behaviour}, {}, 1.0, None, 8, {1: 0, 2: 1, 3: 2})
+    out = evaluate_nodes(grid, 1, {n: START for n in behaviour}, 1.0, None, 8, {1: 0, 2: 1, 3: 2})
     assert out[1]["eval_loss"] == 2.0
     assert "more than the 8 examples asked for" in out[2]
     assert "admitted as partition 2" in out[3]
@@ -359,7 +361,7 @@ def test_every_accepted_update_has_its_norm_measured_by_the_server_and_the_round
         2: lambda a: train_reply({k: v + 3.0 for k, v in a.items()}, 10, {**METRICS, "update_norm": 0.0}),  # lies
     }
     grid = InMemoryGrid(behaviour)
-    (result,) = train_groups_plain(grid, 1, [Group("all", {n: START for n in behaviour})], {}, 1.0, limits=LIMITS)
+    (result,) = train_groups_plain(grid, 1, [Group("all", {n: START for n in behaviour})], 1.0, limits=LIMITS)
     size = sum(v.size for v in START.values())
     assert result.metrics[1]["update_norm"] == pytest.approx(np.sqrt(size))
     assert result.metrics[2]["update_norm"] == pytest.approx(3 * np.sqrt(size))  # measured, not the member's word
@@ -377,7 +379,7 @@ def test_in_the_clear_a_reply_the_strategys_sum_check_refuses_is_left_out_alone(
 
     behaviour = {1: good(1.0, 10), 2: good(1.5, 10), 3: good(8.0, 10)}
     group = Group("all", {n: START for n in behaviour})
-    (result,) = train_groups_plain(InMemoryGrid(behaviour), 1, [group], {}, 1.0, LIMITS, check_sum=no_big_values)
+    (result,) = train_groups_plain(InMemoryGrid(behaviour), 1, [group], 1.0, LIMITS, check_sum=no_big_values)
     assert sorted(result.contributors) == [1, 2] and "a value above 2" in result.rejected[3]
     for key in START:
         np.testing.assert_allclose(result.mean[key], START[key] + 1.25)
@@ -401,18 +403,27 @@ def test_a_clients_error_reason_reaches_the_servers_log_on_one_line(capsys):
 
 
 def test_a_train_instruction_key_set_by_two_sources_is_refused_naming_both():
+    from common.messages import SecAggPart, read_train
     from server_app.transport import member_config
+    from strategies.atlas.wire import AtlasWire
 
-    group = Group("g", {1: {}, 2: {}}, config={"active-blocks": "1,2"}, member_configs={2: {"lora-ranks": "4"}})
-    assert member_config(group, {"server-round": 3}, 2) == {
+    group = Group(
+        "g", {1: {}, 2: {}}, config=AtlasWire(neighbour_term=True), member_configs={2: AtlasWire(own_ranks=(4,))}
+    )
+    bounds = SecAggPart(clipping_range=8.0, max_weight=16.0, clip_norm=1.0)
+    config = member_config(group, 3, 2, bounds)
+    assert config == {
         "server-round": 3,
-        "active-blocks": "1,2",
+        "neighbour-term": True,
         "lora-ranks": "4",
         "weight-by": "examples",
+        "secagg-clipping-range": 8.0,
+        "secagg-max-weight": 16.0,
+        "secagg-clip-norm": 1.0,
     }
-    clash = Group("g", {1: {}}, config={"server-round": 9})
-    with pytest.raises(ValueError, match="'server-round' set by the round and by group g"):
-        member_config(clash, {"server-round": 3}, 1)
-    own = Group("g", {1: {}}, config={"active-blocks": "1"}, member_configs={1: {"active-blocks": "2"}})
-    with pytest.raises(ValueError, match="'active-blocks' set by group g and by node 1's own"):
-        member_config(own, {}, 1)
+    read = read_train(config, AtlasWire)  # what the member reads back: the same parts
+    assert read.round.server_round == 3 and read.secagg == bounds and read.dp is None
+    assert read.strategy == AtlasWire(neighbour_term=True, own_ranks=(4,))
+    own = Group("g", {1: {}}, config=AtlasWire(own_ranks=(1,)), member_configs={1: AtlasWire(own_ranks=(2,))})
+    with pytest.raises(ValueError, match="'lora-ranks' set by group g and by node 1's own"):
+        member_config(own, 1, 1)

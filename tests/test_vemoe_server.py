@@ -12,7 +12,6 @@ from strategies.base import ClientInfo, GroupResult
 from strategies.vemoe.config import VemoeSection
 from strategies.vemoe.pool import RESPONSIBILITY, client_payload
 from strategies.vemoe.server import VEMoE
-from strategies.vemoe.wire import BIRTH_SLOT
 
 LAYER = "model.layers.0.self_attn.q_proj"
 K = 4
@@ -44,7 +43,9 @@ def mean_of(payloads):
 def test_every_client_is_one_group_sent_the_pool_and_the_birth_slot(server):
     (group,) = server.train_groups(1, [11, 12, 13, 99])  # 99 never answered the initial query
     assert group.members == [11, 12, 13] and group.weight_by == "equal"
-    assert group.start[11][RESPONSIBILITY].tolist() == [1, 1, 0, 0] and group.config[BIRTH_SLOT] == 2
+    assert (
+        group.start[11][RESPONSIBILITY].tolist() == [1, 1, 0, 0] and group.config.wire()["vemoe-birth-slot"] == 2
+    )  # as it travels
 
 
 def test_the_update_is_the_responsibility_weighted_mean_and_a_birth_takes_the_free_slot(server):
@@ -156,21 +157,19 @@ def test_the_run_plots_are_drawn_and_negative_transfer_needs_a_baseline(server, 
 
 
 def test_with_summed_likelihood_the_server_sends_a_counted_prior_that_never_zeroes_a_live_expert():
-    from strategies.vemoe.wire import PRIOR
-
     rng = np.random.default_rng(0)
     strategy = VEMoE(ExpertsSection(k_max=K, r=2, top_m=2), VemoeSection(k_init=2, likelihood="summed"))
     strategy.initialise(
         {nid: ClientInfo(nid, nid, "smol", join_slots([expert(rng) for _ in range(K)])) for nid in (1, 2)}
     )
     (group,) = strategy.train_groups(1, [1, 2])
-    assert [float(x) for x in group.config[PRIOR].split(",")] == [0.5, 0.5, 0, 0]  # round 1: uniform
+    assert [float(x) for x in group.config.wire()["vemoe-prior"].split(",")] == [0.5, 0.5, 0, 0]  # round 1: uniform
     strategy.totals = np.array([3.0, 0.0, 0.0, 0.0])  # last round every client chose expert 0
     (group,) = strategy.train_groups(2, [1, 2])
-    assert [float(x) for x in group.config[PRIOR].split(",")] == pytest.approx([0.8, 0.2, 0, 0])
+    assert [float(x) for x in group.config.wire()["vemoe-prior"].split(",")] == pytest.approx([0.8, 0.2, 0, 0])
     plain = VEMoE(ExpertsSection(k_max=K, r=2, top_m=2), VemoeSection(k_init=2, likelihood="mean"))
     plain.initialise({1: ClientInfo(1, 1, "smol", join_slots([expert(rng) for _ in range(K)]))})
-    assert PRIOR not in plain.train_groups(1, [1])[0].config  # seed 002's softmax (mean) needs none
+    assert "vemoe-prior" not in plain.train_groups(1, [1])[0].config.wire()  # seed 002's softmax (mean) needs none
 
 
 def test_experts_the_clients_probes_find_alike_merge_by_functional_distance():

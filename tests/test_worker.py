@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from client_app import app, worker
+from common.messages import QUERY_INITIAL, QueryPart, RoundPart
 from common.records import (
-    QUERY_INITIAL,
     eval_instruction,
     query_instruction,
     read_initial_reply,
@@ -37,6 +37,13 @@ def launcher(monkeypatch):
     yield proc
     proc.kill()
     proc.wait()
+
+
+ROUND_1 = RoundPart(server_round=1).wire()
+
+
+def initial_query() -> Message:
+    return message(query_instruction(0, QueryPart(query=QUERY_INITIAL)), MessageType.QUERY)
 
 
 def run_config(tiny_llama_dir, tmp_path, **extra) -> dict:
@@ -80,13 +87,13 @@ def test_worker_keeps_the_model_and_the_client_state(tiny_llama_dir, tmp_path, l
     sock = worker.ensure_worker(launcher.pid, idle_timeout=120)
     assert worker.ensure_worker(launcher.pid, idle_timeout=120) == sock  # the running worker is found, not doubled
 
-    reply = worker.call(sock, "query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context, 1.5)
+    reply = worker.call(sock, "query", initial_query(), context, 1.5)
     initial, identity = read_initial_reply(reply.content)
     assert identity["pid"] != subprocess.os.getpid() and identity["model-loads"] == 1
     assert identity["startup-seconds"] >= 1.5  # this process's age plus the worker's model start-up
 
     start = {k: v + 0.01 for k, v in initial.items()}
-    train_msg = message(train_instruction(start, {"server-round": 1, "num-server-rounds": 2}), MessageType.TRAIN)
+    train_msg = message(train_instruction(start, ROUND_1), MessageType.TRAIN)
     reply = worker.call(sock, "train", train_msg, context, 0.0)
     update, n, metrics = read_train_reply(reply.content, initial)
     assert n >= 1 and np.isfinite(metrics["train_loss"])
@@ -99,7 +106,7 @@ def test_worker_keeps_the_model_and_the_client_state(tiny_llama_dir, tmp_path, l
         sock,
         "evaluate",
         message(
-            eval_instruction(update | {k: v for k, v in start.items() if k not in update}, {"server-round": 1}),
+            eval_instruction(update | {k: v for k, v in start.items() if k not in update}, ROUND_1),
             MessageType.EVALUATE,
         ),
         context,
@@ -114,9 +121,10 @@ def test_handler_errors_reach_the_clientapp_and_the_worker_keeps_serving(tiny_ll
         run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config=run_config(tiny_llama_dir, tmp_path)
     )
     sock = worker.ensure_worker(launcher.pid, idle_timeout=120)
-    with pytest.raises(worker.WorkerError, match="unknown query 'nonsense'"):
-        worker.call(sock, "query", message(query_instruction("nonsense"), MessageType.QUERY), context, 0.0)
-    reply = worker.call(sock, "query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context, 0.0)
+    nonsense = RecordDict({"config": ConfigRecord({"server-round": 0, "query": "nonsense"})})
+    with pytest.raises(worker.WorkerError, match="query key 'query'.*'nonsense'"):
+        worker.call(sock, "query", message(nonsense, MessageType.QUERY), context, 0.0)
+    reply = worker.call(sock, "query", initial_query(), context, 0.0)
     assert read_initial_reply(reply.content)[0]
 
 
@@ -136,7 +144,7 @@ def test_a_silent_or_malformed_peer_does_not_stop_the_worker(tiny_llama_dir, tmp
         with Client(str(sock), family="AF_UNIX", authkey=worker._authkey(sock)) as conn:
             conn.send(bad)
     started = time.monotonic()
-    reply = worker.call(sock, "query", message(query_instruction(QUERY_INITIAL), MessageType.QUERY), context, 0.0)
+    reply = worker.call(sock, "query", initial_query(), context, 0.0)
     assert read_initial_reply(reply.content)[0] and worker._listening(sock)
     assert time.monotonic() - started < worker.PEER_TIMEOUT + 60  # served after the silent peer timed out
     silent.close()
@@ -160,7 +168,7 @@ def test_an_idle_worker_exits_and_the_next_message_starts_another(tiny_llama_dir
         state=RecordDict(),
         run_config=run_config(tiny_llama_dir, tmp_path),
     )
-    query = message(query_instruction(QUERY_INITIAL), MessageType.QUERY)
+    query = initial_query()
     first = read_initial_reply(app.dispatch("query", query, context).content)[1]
     sock = worker.socket_path(subprocess.os.getppid())
     assert wait_until(lambda: not worker._listening(sock), timeout=120), "the idle worker did not exit"

@@ -11,6 +11,7 @@ from ..spec import StrategySpec
 from .client import AtlasClient
 from .config import AtlasSection
 from .server import Atlas
+from .wire import AtlasWire
 
 SPEC = StrategySpec(
     name=Atlas.name,
@@ -18,6 +19,7 @@ SPEC = StrategySpec(
     client=AtlasClient,
     adapter="lora",
     section=AtlasSection,
+    wire=AtlasWire,
     shared_sections=(FingerprintSection,),
     dp_refusal="each client's fingerprint (the clusters are made from it) is sent in the clear, unaccounted",
     record_dp_refusal="each client's fingerprint is made from raw gradients on its records, outside DP-SGD",

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from common.adapters.lora import LoraSection
 from common.adapters.lora import ranks as lora_ranks
+from common.messages import Part
 
 from ..base import Arrays
 from ..client import ClientRuntime, save_whole_adapter
 from ..fingerprint import FingerprintClient
 from ..fingerprint.laplacian import laplacian_start
 from .config import AtlasSection
-from .wire import MEMORY_MB, NEIGHBOUR_TERM, OWN_RANKS, WIRE_RANKS, decode_ranks
+from .wire import MEMORY_MB, AtlasWire, by_layer
 
 if TYPE_CHECKING:
     from common.adapters import ClientState
@@ -53,19 +54,22 @@ class AtlasClient(FingerprintClient):
             metrics[MEMORY_MB] = budget
         return arrays, metrics
 
-    def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
-        self.neighbour_term = bool(config.get(NEIGHBOUR_TERM, False))
-        if OWN_RANKS not in config:
+    def configure(self, rt: ClientRuntime, wire: Part | None) -> None:
+        part = wire if isinstance(wire, AtlasWire) else AtlasWire()
+        self.neighbour_term = bool(part.neighbour_term)
+        if part.own_ranks is None:
             self.own = self.wire = None
             rt.reattach(self.cfg)
             return
+        if part.wire_ranks is None:
+            raise ValueError("atlas: an instruction with lora-ranks carries no wire-ranks")
         paths = list(lora_ranks.layers(rt.adapter.initial))
-        self.own = decode_ranks(config[OWN_RANKS], paths)
-        self.wire = decode_ranks(config[WIRE_RANKS], paths)
+        self.own = by_layer(part.own_ranks, paths)
+        self.wire = by_layer(part.wire_ranks, paths)
         lora = self.cfg.section(LoraSection)
         rt.reattach(self.cfg.with_section(lora.model_copy(update={"rank_pattern": self.own})))
 
-    def wire_reference(self, rt: ClientRuntime, config: dict[str, Any]) -> Arrays:
+    def wire_reference(self, rt: ClientRuntime, wire: Part | None) -> Arrays:
         if self.own is None or self.wire is None:
             return rt.adapter.initial
         return {**lora_ranks.resize(rt.adapter.initial, self.wire), **lora_ranks.masks(self.own, self.wire)}

@@ -47,7 +47,7 @@ from .clustering import LOW_PURITY, Grouping, clustering_row, group_clients, pur
 from .config import AtlasSection
 from .neighbours import Neighbourhood, Unit, named_groups, neighbour_terms, neighbourhood, training_units
 from .ranks import Layer, MemberRanks, RankPlan, adapter_mb, check_budget, lora_layers, mask_problem, padded, wire_ranks
-from .wire import NEIGHBOUR_TERM, OWN_RANKS, WIRE_RANKS, encode_ranks
+from .wire import AtlasWire, in_layer_order
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -173,7 +173,7 @@ class Atlas(FingerprintStrategy):
     def _rank_config(self, partition: int) -> dict[str, Any]:
         if not self.plan.any_own_ranks:
             return {}
-        return {OWN_RANKS: encode_ranks(self._own(partition)), WIRE_RANKS: encode_ranks(self._wire(partition))}
+        return {"own_ranks": in_layer_order(self._own(partition)), "wire_ranks": in_layer_order(self._wire(partition))}
 
     def _groups(self) -> list[Unit]:
         """(name, partitions) of every group: ``<family>-c<label>``."""
@@ -183,11 +183,10 @@ class Atlas(FingerprintStrategy):
         """(name, partitions) of what trains as one group (``neighbours.training_units``)."""
         return training_units(self._groups(), bool(self.eta), self.secure)
 
-    def _config(self, partition: int) -> dict[str, Any]:
-        config = self._rank_config(partition)
-        if self.eta and partition in self.adapter_of:
-            config[NEIGHBOUR_TERM] = True
-        return config
+    def _config(self, partition: int) -> AtlasWire:
+        """What ``partition``'s instructions carry: its ranks, and whether it is sent its neighbour term."""
+        neighbour_term = True if self.eta and partition in self.adapter_of else None
+        return AtlasWire(**self._rank_config(partition), neighbour_term=neighbour_term)
 
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
         node_of = {self.partition_of[nid]: nid for nid in node_ids if nid in self.partition_of}
@@ -240,7 +239,7 @@ class Atlas(FingerprintStrategy):
     def eval_arrays(self, node_id: int) -> Arrays:
         return self._outgoing(self.partition_of[node_id])
 
-    def eval_config(self, node_id: int) -> dict[str, Any]:
+    def eval_config(self, node_id: int) -> AtlasWire:
         return self._config(self.partition_of[node_id])
 
     def report(self) -> dict[str, Any]:

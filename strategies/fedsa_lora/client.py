@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+from common.messages import Part
+
 from ..base import Arrays
 from ..client import ClientRuntime, StrategyClient, save_whole_adapter
 from .selective import merge, private_part, shared_part, split
@@ -26,7 +28,7 @@ class FedSALoraClient(StrategyClient):
 
     state_keys: ClassVar[tuple[str, ...]] = (OWN_B,)
 
-    def wire_reference(self, rt: ClientRuntime, config: dict[str, Any]) -> Arrays:
+    def wire_reference(self, rt: ClientRuntime, wire: Part | None) -> Arrays:
         """What the server sends and a train reply carries: the adapter's A matrices."""
         return shared_part(rt.adapter.initial)
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from common.logs import get_logger
-from common.records import metric_list
+from common.messages import split
 
 from ..base import MIN_SECURE_GROUP, Arrays, ClientInfo, Strategy
 from ..families import family_key
@@ -43,9 +43,9 @@ class FingerprintReport:
 def read_fingerprint(arrays: Arrays, metrics: dict[str, Any]) -> FingerprintReport:
     """A finite 1-D fingerprint within bounds and one finite, non-negative importance per named layer."""
     fingerprint = report_vector(arrays, FINGERPRINT, MAX_FINGERPRINT_SIZE, MAX_FINGERPRINT_ABS).astype(np.float64)
-    names = [str(n) for n in metric_list(metrics.get(LAYER_NAMES), str)]
+    names = [str(n) for n in split(metrics.get(LAYER_NAMES), str)]
     try:
-        importance = np.asarray(metric_list(metrics.get(LAYER_IMPORTANCE)), dtype=np.float64)
+        importance = np.asarray(split(metrics.get(LAYER_IMPORTANCE)), dtype=np.float64)
     except (TypeError, ValueError):
         raise ValueError(f"layer_importance must be numbers, got {metrics.get(LAYER_IMPORTANCE)!r}") from None
     if not names or importance.shape != (len(names),):

@@ -9,6 +9,7 @@ from ..spec import StrategySpec
 from .client import SimGradClient
 from .config import SimGradSection
 from .server import ClientReport, SimGrad
+from .wire import SimGradWire
 
 SPEC = StrategySpec(
     name=SimGrad.name,
@@ -16,6 +17,7 @@ SPEC = StrategySpec(
     client=SimGradClient,
     adapter="pqlora",
     section=SimGradSection,
+    wire=SimGradWire,
     adapter_from=lambda cfg: "pqlora-dual" if cfg.section(SimGradSection).local_path == "lora" else "pqlora",
     dp_refusal="each client's gradient signature and block salience (the routing is made from them) are sent in "
     "the clear, unaccounted",

@@ -20,13 +20,14 @@ import numpy as np
 
 from common.adapters.pqlora import PQLoraAdapter, PQLoraSection, align_arrays, synthetic_anchors
 from common.logs import get_logger
+from common.messages import Part
 from common.training import batch_loss
 
 from ..base import Arrays
 from ..client import ClientRuntime, StrategyClient
 from .config import SimGradSection
 from .signatures import probe_gradient, sanitize_signature
-from .wire import ALIGN_ERROR_AFTER, ALIGN_ERROR_BEFORE, SALIENCE, SIGNATURE, active_blocks
+from .wire import ALIGN_ERROR_AFTER, ALIGN_ERROR_BEFORE, SALIENCE, SIGNATURE, SimGradWire
 
 if TYPE_CHECKING:
     from common.adapters import ClientState
@@ -45,9 +46,10 @@ class SimGradClient(StrategyClient):
 
     state_keys: ClassVar[tuple[str, ...]] = (SIGNATURE_EMA,)
 
-    def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
+    def ready(self, rt: ClientRuntime, wire: Part | None, training: bool) -> None:
         """Route the PQ-LoRA adapter to the blocks this instruction names (every block when it names none)."""
-        _pqlora(rt, "routing needs").set_active_blocks(active_blocks(config))
+        blocks = wire.active_blocks if isinstance(wire, SimGradWire) else None
+        _pqlora(rt, "routing needs").set_active_blocks(list(blocks) if blocks else None)
 
     def report(self, rt: ClientRuntime, state: ClientState, server_round: int) -> tuple[Arrays, dict[str, Any]]:
         cfg = self.cfg.section(SimGradSection)

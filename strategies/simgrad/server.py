@@ -30,7 +30,7 @@ from ..sketches import report_vector
 from . import plots
 from .config import SimGradSection
 from .relevance import cosine_relevance, relevance_weights, route_blocks
-from .wire import ALIGN_ERROR_AFTER, ALIGN_ERROR_BEFORE, SALIENCE, SIGNATURE, blocks_config
+from .wire import ALIGN_ERROR_AFTER, ALIGN_ERROR_BEFORE, SALIENCE, SIGNATURE, SimGradWire
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -175,7 +175,7 @@ class SimGrad(Strategy):
             nodes = [self.nodes[i] for i in members if self.nodes[i] in present]
             send_back = [k for k in self.names if block_of(k) in blocks]
             start = {nid: self.global_by_partition[self.partition_of[nid]] for nid in nodes}
-            groups.append(Group(self._group_name(index), start, send_back, blocks_config(blocks)))
+            groups.append(Group(self._group_name(index), start, send_back, SimGradWire(active_blocks=tuple(blocks))))
         return [g for g in groups if g.start]
 
     def update(self, server_round: int, results: list[GroupResult]) -> None:

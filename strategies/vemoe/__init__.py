@@ -12,6 +12,7 @@ from ..spec import StrategySpec
 from .client import VEMoEClient
 from .config import VemoeSection
 from .server import VEMoE
+from .wire import VemoeWire
 
 SPEC = StrategySpec(
     name=VEMoE.name,
@@ -19,6 +20,7 @@ SPEC = StrategySpec(
     client=VEMoEClient,
     adapter="experts",
     section=VemoeSection,
+    wire=VemoeWire,
     adapter_from=lambda cfg: "experts-dual" if cfg.section(VemoeSection).personal_lora else "experts",
     dp_refusal="each client's payload is its experts weighted by its responsibilities (not an update of bounded "
     "norm), and its birth votes are counted in the clear",

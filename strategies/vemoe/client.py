@@ -25,6 +25,7 @@ import numpy as np
 from common.adapters.experts import ExpertsSection
 from common.adapters.experts.adapter import ExpertsAdapter, split_slots
 from common.logs import get_logger
+from common.messages import Part
 from common.training import answer_tokens, batch_loss
 
 from ..base import Arrays
@@ -32,7 +33,7 @@ from ..client import ClientRuntime, StrategyClient
 from .config import VemoeSection
 from .pool import client_payload
 from .routing import gain_shares, responsibilities, tied, top_m, unserved
-from .wire import BESIDE_POOL, BIRTH_SLOT, RESPONSIBILITY, beside_pool, read_prior, routing_metrics
+from .wire import BESIDE_POOL, RESPONSIBILITY, VemoeWire, beside_pool, routing_metrics
 
 log = get_logger("tessera.client")
 ROUTE = "vemoe.route"  # client state: this client's responsibilities (K_max) and the best probe loss it has seen
@@ -60,7 +61,7 @@ class VEMoEClient(StrategyClient):
             raise ValueError(f"vemoe trains the expert pool, not {type(rt.adapter).__name__}")
         return rt.adapter
 
-    def wire_reference(self, rt: ClientRuntime, config: dict[str, Any]) -> Arrays:
+    def wire_reference(self, rt: ClientRuntime, wire: Part | None) -> Arrays:
         return {**rt.adapter.initial, **beside_pool(self.pool.k_max)}
 
     def start(self, rt: ClientRuntime, received: Arrays | None) -> Arrays | None:
@@ -70,11 +71,12 @@ class VEMoEClient(StrategyClient):
         self.live = np.asarray(received[RESPONSIBILITY]) > 0.5
         return {k: v for k, v in received.items() if k not in BESIDE_POOL}
 
-    def configure(self, rt: ClientRuntime, config: dict[str, Any]) -> None:
-        self.birth_slot = int(config.get(BIRTH_SLOT, -1))
-        self.prior = read_prior(config)
+    def configure(self, rt: ClientRuntime, wire: Part | None) -> None:
+        part = wire if isinstance(wire, VemoeWire) else VemoeWire()
+        self.birth_slot = part.birth_slot
+        self.prior = np.array(part.prior) if part.prior else None
 
-    def ready(self, rt: ClientRuntime, config: dict[str, Any], training: bool) -> None:
+    def ready(self, rt: ClientRuntime, wire: Part | None, training: bool) -> None:
         """Probe (in training; in evaluation only without kept responsibilities) and route."""
         kept = rt.state.get(ROUTE)
         if training or kept is None or not np.all(self.live[np.asarray(kept["r"]) > 0]):

@@ -35,7 +35,7 @@ from . import plots
 from .config import VemoeSection
 from .pool import experts_from_sum, free_slot, functional_distance, merge, merge_pairs, newborn, prune, sum_problem
 from .separation import separation
-from .wire import BESIDE_POOL, BIRTH_SLOT, GAP, MOVE, REPLY_METRICS, VOTE, beside_pool, prior_config
+from .wire import BESIDE_POOL, GAP, MOVE, REPLY_METRICS, VOTE, VemoeWire, beside_pool
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -90,13 +90,13 @@ class VEMoE(Strategy):
         slot = free_slot(self.live)
         return -1 if slot is None else slot
 
-    def _prior(self) -> dict[str, str]:
+    def _prior(self) -> tuple[float, ...] | None:
         """With ``likelihood = "summed"``: each live slot's share of last round's responsibility, counted with one
         pseudo-client per slot (so that no live expert's prior is 0, a newborn's included); 0 on free slots."""
         if self.cfg.likelihood != "summed":
-            return {}
+            return None
         counts = np.where(self.live, self.totals + 1.0, 0.0)
-        return prior_config(counts / counts.sum())
+        return tuple(float(x) for x in counts / counts.sum())
 
     def train_groups(self, server_round: int, node_ids: list[int]) -> list[Group]:
         start = self._start()
@@ -107,7 +107,7 @@ class VEMoE(Strategy):
             Group(
                 "pool",
                 members,
-                config={BIRTH_SLOT: self._free_slot(), **self._prior()},
+                config=VemoeWire(birth_slot=self._free_slot(), prior=self._prior()),
                 weight_by=WEIGHT_EQUALLY,
                 max_weight=1.0,
             )

@@ -1,16 +1,16 @@
-"""VEMoE's wire keys: the names of what its two halves send each other, read by both ``server.py`` and
-``client.py`` (and ``pool.py``, which builds and reads the payload), and how the counted prior is written in a
-train instruction. The experts themselves travel under the expert-pool adapter's names (``expert-<slot>.*``,
+"""VEMoE's wire: its part of a train instruction (``VemoeWire``, ``StrategySpec.wire``) and the names of what its
+two halves send each other, read by both ``server.py`` and ``client.py`` (and ``pool.py``, which builds and reads
+the payload). The experts themselves travel under the expert-pool adapter's names (``expert-<slot>.*``,
 ``common.adapters.experts.adapter``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
+from pydantic import Field
 
-from common.records import joined, metric_list
+from common.messages import Floats, Int, Part
 
 # payload arrays, both ways: each slot's responsibility (server -> client: 1 for a live slot, 0 for a free one)
 # and the birth vote (client -> server: 0 or 1; zero from the server)
@@ -19,21 +19,18 @@ RESPONSIBILITY, VOTE = "responsibility", "birth-vote"
 # flattened) and each live slot's move |L_base - L_k| from the client's probe loss with no expert routed: from
 # their sums the server measures how differently two experts serve the clients (``pool.functional_distance``)
 GAP, MOVE = "probe-gap", "probe-move"
-BIRTH_SLOT = "vemoe-birth-slot"  # train-instruction config: the free slot a voter puts its candidate in (-1: none)
-PRIOR = "vemoe-prior"  # train-instruction config (vemoe.likelihood = "summed"): each slot's prior, comma-joined
+
+
+class VemoeWire(Part):
+    """VEMoE's keys of a train instruction."""
+
+    about: ClassVar[str] = "vemoe"
+    birth_slot: Int = Field(-1, alias="vemoe-birth-slot", ge=-1)  # the free slot a voter puts its candidate in
+    prior: Floats | None = Field(None, alias="vemoe-prior")  # vemoe.likelihood = "summed": each slot's prior
+
+
 # train-reply metrics (plain mode only): each slot's probe loss (-1: free), r, the routed slots, the birth vote
 PROBE_METRIC, R_METRIC, TOP_METRIC, VOTE_METRIC = "vemoe_probe", "vemoe_r", "vemoe_top", "vemoe_vote"
-
-
-def prior_config(prior: np.ndarray) -> dict[str, str]:
-    """A train instruction's config carrying ``prior`` (one share per slot)."""
-    return {PRIOR: joined(prior, ".6g")}
-
-
-def read_prior(config: Mapping[str, Any]) -> np.ndarray | None:
-    """The prior a train instruction carries (None: none, the plain softmax)."""
-    prior = metric_list(str(config.get(PRIOR, "")), float)
-    return np.array(prior) if prior else None
 
 
 BESIDE_POOL = (RESPONSIBILITY, VOTE, GAP, MOVE)  # the payload's arrays that are not an expert
