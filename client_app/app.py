@@ -15,14 +15,16 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from flwr.app import Context, Message
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-WORKER_MODES = ("auto", "on", "off")
+from common.node_config import node_settings
 
 
 def secure_aggregation_mod(msg: Message, context: Context, call_next):
@@ -56,10 +58,8 @@ def per_message_process() -> bool:
     return Path(sys.argv[0]).name == "flwr-clientapp"
 
 
-def use_worker(node_config: dict) -> bool:
-    mode = str(node_config.get("worker", "auto")).lower()
-    if mode not in WORKER_MODES:
-        raise ValueError(f"node-config worker: expected one of {', '.join(WORKER_MODES)} (got '{mode}')")
+def use_worker(node_config: Mapping[str, Any]) -> bool:
+    mode = node_settings(node_config).worker
     return mode == "on" or (mode == "auto" and per_message_process())
 
 
@@ -68,7 +68,7 @@ def dispatch(kind: str, msg: Message, context: Context) -> Message:
     if use_worker(context.node_config):
         from . import worker
 
-        idle_timeout = float(context.node_config.get("worker-idle-timeout", 1800))
+        idle_timeout = node_settings(context.node_config).worker_idle_timeout
         for attempt in (1, 2):  # a worker that exited (idle) between our check and our request: start one, once
             sock = worker.ensure_worker(os.getppid(), idle_timeout)  # parent = the SuperExec that launches ClientApps
             try:

@@ -27,6 +27,7 @@ from common.evaluation import answer_loss, evaluate
 from common.guard import GUARD_STATE_KEY, as_train, choose, snapshot, trained_names
 from common.logs import get_logger
 from common.messages import QUERY_REPORT, DpPart, Part, SecAggPart, read_evaluate, read_query, read_train
+from common.node_config import node_settings
 from common.privacy import with_noise
 from common.record_privacy import Steps
 from common.records import (
@@ -74,14 +75,12 @@ def _wire(rt: ClientRuntime) -> type[Part] | None:
     return strategy_spec(rt.cfg.strategy).wire
 
 
-def node_train_settings(settings: TrainSection, node_config: dict) -> TrainSection:
+def node_train_settings(settings: TrainSection, node_config: Mapping[str, Any]) -> TrainSection:
     """The run's training settings, with this node's memory budget: node-config ``max-micro-batch`` caps the
     slices a batch goes through in (the update stays the same; a smaller GPU just takes more passes)."""
-    if "max-micro-batch" not in node_config:
+    cap = node_settings(node_config).max_micro_batch
+    if cap is None:
         return settings
-    cap = node_config["max-micro-batch"]
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise ValueError(f"node-config max-micro-batch: expected an integer >= 1 (got {cap!r})")
     micro = min(settings.micro_batch_size or settings.batch_size, cap)
     return settings.model_copy(update={"micro_batch_size": micro})
 
@@ -147,8 +146,8 @@ def train(msg: Message, context: Context) -> Message:
             clamped = secure.pop("secagg_clipped")
             log.info("partition %d: SecAgg+ will clamp %d values of this update", rt.partition_id, clamped)
         metrics.update(secure)
-    if "audit-dir" in context.node_config:
-        keep_audit_copy(Path(str(context.node_config["audit-dir"])), server_round, rt.partition_id, updated, weight)
+    if (audit_dir := node_settings(context.node_config).audit_dir) is not None:
+        keep_audit_copy(Path(audit_dir), server_round, rt.partition_id, updated, weight)
     metrics.update(member_ledger.record(context, server_round, instruction.dp))  # counted before it is sent
     if plan is not None:
         member_ledger.count_steps(context, server_round, Steps(plan.q, plan.z, plan.steps))

@@ -10,23 +10,20 @@ it evaluated (``eval_kept_on_node``); its train and report replies carry no spli
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from common.config import RunConfig
 from common.jsonl import append_durably
+from common.node_config import node_settings
 from common.reply_checks import KEPT_ON_NODE
-from common.section import true_or_false
-
-NODE_KEY = "keep-evaluation"
 
 
-def keeps_evaluation(node_config: dict[str, Any], cfg: RunConfig) -> bool:
-    """Whether this member keeps its evaluation on its node: its own node config says so, or the run asks it to.
-    ValueError naming the key (not the value) for a node-config value that is not true or false."""
-    if (kept := true_or_false(node_config.get(NODE_KEY, False))) is None:
-        raise ValueError(f"node-config {NODE_KEY}: expected true or false")
-    return kept or cfg.eval.keep_on_node
+def keeps_evaluation(node_config: Mapping[str, Any], cfg: RunConfig) -> bool:
+    """Whether this member keeps its evaluation on its node: its own node config says so (``keep-evaluation``), or
+    the run asks it to. ValueError naming the key (not the value) for a value that is not true or false."""
+    return node_settings(node_config).keep_evaluation or cfg.eval.keep_on_node
 
 
 def kept_reply(metrics: dict[str, Any], directory: Path, partition_id: int, server_round: int) -> dict[str, Any]:

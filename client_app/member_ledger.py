@@ -30,6 +30,7 @@ from flwr.app import ConfigRecord, Context
 from common.jsonl import append_durably, whole_lines
 from common.logs import get_logger
 from common.messages import DpPart
+from common.node_config import node_settings
 from common.privacy import epsilon_of
 from common.record_privacy import Steps
 
@@ -46,7 +47,7 @@ def ledger_path(context: Context) -> Path | None:
     root = state_root(context)
     if root is None:
         return None
-    return root / "privacy-ledger" / f"partition-{int(context.node_config.get('partition-id', 0))}.jsonl"
+    return root / "privacy-ledger" / f"partition-{node_settings(context.node_config).partition_id}.jsonl"
 
 
 def _entries(context: Context) -> list[dict[str, Any]]:
@@ -101,7 +102,7 @@ def record(context: Context, server_round: int, dp: DpPart | None) -> dict[str, 
         metrics["dp_member_epsilon"] = epsilon_of(noise, dp.delta)
     log.info(
         "partition %s: privacy ledger: %d release(s), %d without noise%s",
-        context.node_config.get("partition-id", 0),
+        node_settings(context.node_config).partition_id,
         len(noise),
         without,
         f", epsilon {metrics['dp_member_epsilon']:.3f}" if "dp_member_epsilon" in metrics else "",

@@ -15,14 +15,13 @@ SuperNode or a resumed run goes on from. Errors name the node's key, never its v
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Context
 
 from common.config import RunConfig, TrainSection
+from common.node_config import node_settings
 from common.record_privacy import (
     MAX_RECORD_NOISE,
     RecordBudget,
@@ -35,13 +34,6 @@ from common.record_privacy import (
 from common.reply_checks import RECORD_DP_METRICS
 
 from . import member_ledger
-
-NODE_KEYS: dict[str, tuple[str, Callable[[float], bool]]] = {  # node-config key -> (what it must be, the check)
-    "dp-record-epsilon": ("a number > 0", lambda v: v > 0),
-    "dp-record-delta": ("a number in (0, 1)", lambda v: 0 < v < 1),
-    "dp-record-clip": ("a number > 0", lambda v: v > 0),
-    "dp-record-noise-multiplier": ("a number in [0, 1000]", lambda v: 0 <= v <= 1e3),
-}
 
 
 class BudgetSpent(RuntimeError):
@@ -59,32 +51,15 @@ class RoundPlan:
     epsilon_after: float
 
 
-def _node_number(node_config: dict[str, Any], key: str) -> float | None:
-    """A node-config budget value, checked; ValueError naming the key and the range, not the value."""
-    if key not in node_config:
-        return None
-    value = node_config[key]
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            value = None
-    what, holds = NODE_KEYS[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not holds(value):
-        raise ValueError(f"node-config {key}: must be {what}")
-    return float(value)
-
-
 def node_budget(context: Context, cfg: RunConfig) -> RecordBudget | None:
     """The record-level budget this member trains under (None: no record-level DP for it)."""
-    node = {k: _node_number(dict(context.node_config), k) for k in NODE_KEYS}
-    partition = int(context.node_config.get("partition-id", 0))
+    node = node_settings(context.node_config)  # its own budget, checked (node-config dp-record-*)
     dp = cfg.dp
     return effective_budget(
-        node["dp-record-epsilon"],
-        node["dp-record-delta"],
-        node["dp-record-clip"],
-        dp.record_default(partition),
+        node.dp_record_epsilon,
+        node.dp_record_delta,
+        node.dp_record_clip,
+        dp.record_default(node.partition_id),
         dp.record_max_epsilon,
         dp.record_delta,
         dp.record_clip_norm,
@@ -106,7 +81,7 @@ def refusal(cfg: RunConfig) -> str | None:
 
 def given_noise(context: Context, cfg: RunConfig) -> float:
     """z as the member's node config, else the run, sets it (0: calibrated from the target)."""
-    return _node_number(dict(context.node_config), "dp-record-noise-multiplier") or cfg.dp.record_noise_multiplier
+    return node_settings(context.node_config).dp_record_noise_multiplier or cfg.dp.record_noise_multiplier
 
 
 def plan_round(

