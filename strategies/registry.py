@@ -35,6 +35,9 @@ def register(spec: StrategySpec) -> StrategySpec:
         raise ValueError(
             f"strategy '{spec.name}': unknown adapter kind '{spec.adapter}' (have {sorted(ADAPTER_KINDS)})"
         )
+    problem = _halves_problem(spec)
+    if problem:
+        raise ValueError(f"strategy '{spec.name}': {problem}")
     if spec.server.name != spec.name:
         raise ValueError(f"strategy '{spec.name}': its server class says name = '{spec.server.name}'")
     if spec.section is not None:
@@ -55,6 +58,28 @@ def register(spec: StrategySpec) -> StrategySpec:
             raise ValueError(f"strategy '{spec.name}': shared config section key '{shared.key}' is taken")
     REGISTRY[spec.name] = spec
     return spec
+
+
+def _halves_problem(spec: StrategySpec) -> str | None:
+    """Why a spec's two halves or its wire schema cannot run (None: they can), found at registration rather than at
+    a client's first message: a server half that is not a ``Strategy`` or leaves a required method abstract, a
+    client half that is not a ``StrategyClient``, a wire schema that is not a ``common.messages.Part``."""
+    import inspect
+
+    from common.messages import Part
+
+    from .base import Strategy
+    from .client import StrategyClient
+
+    if not (inspect.isclass(spec.server) and issubclass(spec.server, Strategy)):
+        return "its server half is not a strategies.base.Strategy"
+    if inspect.isabstract(spec.server):
+        return f"its server half does not implement {sorted(spec.server.__abstractmethods__)}"
+    if not (inspect.isclass(spec.client) and issubclass(spec.client, StrategyClient)):
+        return "its client half is not a strategies.client.StrategyClient"
+    if spec.wire is not None and not (inspect.isclass(spec.wire) and issubclass(spec.wire, Part)):
+        return "its wire schema is not a common.messages.Part"
+    return None
 
 
 def strategy_spec(name: str) -> StrategySpec:

@@ -136,3 +136,18 @@ def test_a_strategy_whose_wire_key_is_a_core_parts_is_refused_at_registration():
     with pytest.raises(ValueError, match=r"wire keys \['server-round'\] are a core message part's"):
         register(replace(SPEC, name="clashing-mean", server=ClashingMean, section=None, wire=Clashing))
     assert "clashing-mean" not in REGISTRY
+
+
+def test_a_strategy_whose_server_half_leaves_a_required_method_undone_is_refused_at_registration():
+    from toy_strategy import SPEC
+
+    from strategies.base import Strategy
+
+    class Unfinished(Strategy):  # every required method left abstract
+        name = "unfinished-mean"
+
+    with pytest.raises(ValueError, match=r"server half does not implement \['eval_arrays', 'final_adapters'"):
+        register(replace(SPEC, name="unfinished-mean", server=Unfinished, section=None))
+    with pytest.raises(ValueError, match="client half is not a strategies.client.StrategyClient"):
+        register(replace(SPEC, name="no-client-mean", client=object))  # type: ignore[arg-type]
+    assert "unfinished-mean" not in REGISTRY
