@@ -23,8 +23,8 @@ from flwr.app import Context, Message
 from common.adapters import ReportsBound
 from common.config import TrainSection
 from common.dpsgd import private_train_round
-from common.evaluation import answer_loss, evaluate
-from common.guard import GUARD_STATE_KEY, as_train, choose, snapshot, trained_names
+from common.evaluation import evaluate
+from common.guard import GUARD_STATE_KEY, as_train, snapshot, trained_names
 from common.logs import get_logger
 from common.messages import QUERY_REPORT, DpPart, Part, SecAggPart, read_evaluate, read_query, read_train
 from common.node_config import node_settings
@@ -47,8 +47,16 @@ from strategies import strategy_spec
 from strategies.client import save_whole_adapter
 
 from . import member_ledger, record_dp
+from .do_no_harm import alone_loss, alone_reference, guard_own, keep_better, train_alone
 from .kept_evaluation import kept_reply
-from .runtime import ClientRuntime, begin_message, declared_state_keys, get_runtime, note_restored
+from .runtime import (
+    ClientRuntime,
+    begin_message,
+    declared_state_keys,
+    get_runtime,
+    node_train_settings,
+    note_restored,
+)
 from .state_store import restore, save, state_file
 
 log = get_logger("tessera.client")
@@ -75,16 +83,6 @@ def _wire(rt: ClientRuntime) -> type[Part] | None:
     return strategy_spec(rt.cfg.strategy).wire
 
 
-def node_train_settings(settings: TrainSection, node_config: Mapping[str, Any]) -> TrainSection:
-    """The run's training settings, with this node's memory budget: node-config ``max-micro-batch`` caps the
-    slices a batch goes through in (the update stays the same; a smaller GPU just takes more passes)."""
-    cap = node_settings(node_config).max_micro_batch
-    if cap is None:
-        return settings
-    micro = min(settings.micro_batch_size or settings.batch_size, cap)
-    return settings.model_copy(update={"micro_batch_size": micro})
-
-
 def train(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
     instruction = read_train(read_train_config(msg.content), _wire(rt))
@@ -93,7 +91,7 @@ def train(msg: Message, context: Context) -> Message:
     arrays = read_train_arrays(msg.content, rt.strategy.wire_reference(rt, part))
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     rt.strategy.ready(rt, part, training=True)
-    guarded = guard(rt)
+    guarded = guard_own(rt)
     rt.adapter.prepare_training()
     server_round = instruction.round.server_round
     settings = node_train_settings(rt.cfg.train_settings(), context.node_config)
@@ -118,7 +116,7 @@ def train(msg: Message, context: Context) -> Message:
             rt.model, rt.tokenizer, rt.train, settings, lr, plan.q, z, clip, rt.adapter.lr_groups()
         )
     metrics: dict[str, Any] = dict(trained)
-    if rt.cfg.guard.enabled:  # the client's own adapter, for the next message's guard (all it ever trained)
+    if rt.cfg.guard.enabled and rt.cfg.guard.reference == "own":  # its own adapter, for the next message's guard
         own = rt.state.get(GUARD_STATE_KEY) or {}
         rt.state.put(GUARD_STATE_KEY, snapshot(rt.model, sorted({*own, *trained_names(rt.model)})))
     metrics.update(as_train(guarded))
@@ -152,6 +150,8 @@ def train(msg: Message, context: Context) -> Message:
     if plan is not None:
         member_ledger.count_steps(context, server_round, Steps(plan.q, plan.z, plan.steps))
         metrics = _withheld_under_dp_sgd(metrics, rt.partition_id) | record_dp.round_metrics(plan)
+    if alone_reference(rt.cfg):  # the guard's reference: this round of the local-only baseline, kept on the node
+        train_alone(context, rt, server_round, seed)
     return Message(train_reply(updated, weight, metrics), reply_to=msg)
 
 
@@ -230,34 +230,6 @@ def masked_update(
     return updated, weight, metrics
 
 
-def guard(rt: ClientRuntime) -> dict[str, Any]:
-    """``guard.enabled``: leave the adapter at the share of what the server's message set (against the client's own
-    last trained adapter) that is lowest in loss on the client's validation examples (``common.guard``); returns
-    the guard's metrics (none when it is off)."""
-    settings = rt.cfg.guard
-    if not settings.enabled:
-        return {}
-    own = rt.state.get(GUARD_STATE_KEY)
-    if own is None:  # nothing trained yet
-        return {"guard_share": 1.0}
-    examples = rt.validation[: settings.examples]
-    batch, max_len = rt.cfg.eval.batch_size, rt.cfg.train.max_seq_len
-    rt.model.eval()
-
-    def validation_loss() -> float:
-        return answer_loss(rt.model, rt.tokenizer, examples, batch, max_len)
-
-    metrics = choose(rt.model, own, settings.shares, validation_loss)
-    losses = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "guard_share")
-    log.info(
-        "partition %d: guard kept share %.2f of the server's adapter (%s)",
-        rt.partition_id,
-        metrics["guard_share"],
-        losses,
-    )
-    return metrics
-
-
 def keep_audit_copy(directory: Path, server_round: int, partition_id: int, arrays: Mapping, weight: int) -> None:
     """Node-config ``audit-dir``: the node keeps exactly what it contributes each round, in the clear, before
     SecAgg+ masks it (``round-<r>-partition-<p>.npz``: the arrays and ``__weight__``). For the node's own audit of
@@ -281,12 +253,13 @@ def secagg_clipped(arrays: dict[str, np.ndarray], weight: int, secagg: SecAggPar
 def evaluate_handler(msg: Message, context: Context) -> Message:
     rt = get_runtime(context)
     instruction = read_evaluate(msg.content.config_records[CONFIG] if CONFIG in msg.content else {}, _wire(rt))
+    alone = alone_loss(context, rt)  # measured before the strategy's adapter takes the message
     part = instruction.strategy
     rt.strategy.configure(rt, part)
     arrays = read_sent_adapter(msg.content.array_records[ARRAYS], rt.strategy.wire_reference(rt, part))
     rt.adapter.begin(rt.state, rt.strategy.start(rt, arrays))
     rt.strategy.ready(rt, part, training=False)
-    guarded = guard(rt)
+    guarded = guard_own(rt) or keep_better(context, rt, alone)
     server_round = instruction.round.server_round
     examples = rt.cfg.eval.examples_at(server_round, rt.cfg.num_server_rounds)  # more where verdicts are made
     metrics: dict[str, Any] = dict(evaluate(rt.model, rt.tokenizer, rt.test, rt.cfg.eval, rt.cfg.train, examples))

@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Context
 
 from common.adapters import AdapterKind, ClientState, adapter_kind
-from common.config import RunConfig
+from common.config import RunConfig, TrainSection
 from common.data import ClientData, DataError, Example, load_client_data
 from common.data.node import ALLOW_PATHS_KEY, run_config_paths_allowed
 from common.logs import get_logger
@@ -325,3 +326,13 @@ def _configure_process() -> None:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+
+
+def node_train_settings(settings: TrainSection, node_config: Mapping[str, Any]) -> TrainSection:
+    """The run's training settings, with this node's memory budget: node-config ``max-micro-batch`` caps the
+    slices a batch goes through in (the update stays the same; a smaller GPU just takes more passes)."""
+    cap = node_settings(node_config).max_micro_batch
+    if cap is None:
+        return settings
+    micro = min(settings.micro_batch_size or settings.batch_size, cap)
+    return settings.model_copy(update={"micro_batch_size": micro})

@@ -206,13 +206,21 @@ class GuardSection(Section):
     loss on its own validation split.
 
     enabled: compare, at every message after the client's first training, the adapter the server's message gives
-        it with mixes towards the client's own last trained adapter, and keep the one of lowest validation loss.
-    shares: the server's shares tried (1: the strategy as it is, 0: the client's own adapter; [0, 1] adopts or
-        refuses, values between also learn how much to mix in).
+        it with the reference below, and keep the one of lowest validation loss.
+    reference: what it is compared with. ``alone`` (the default): the LoRA local-only training would reach
+        (``lora.*``, the baseline's seed, batches and step size), trained beside the strategy's adapter every round
+        and never sent: at an evaluate message the client is evaluated (and, at the end, saved) with the better of
+        the two; what it trains and sends stays the strategy's (``client_app.do_no_harm``). ``own``: the client's
+        own last trained parameters of the strategy's adapter, mixed in at ``shares``, on train and evaluate
+        messages (which can only refuse what sharing adds, never reach what training alone would).
+    shares: (``reference = "own"``) the server's shares tried (1: the strategy as it is, 0: the client's own
+        adapter; [0, 1] adopts or refuses, values between also learn how much to mix in). With ``alone`` the two
+        adapters differ in structure: the choice is 1 or 0.
     examples: the validation examples the choice is made on (the first ones of the client's validation split).
     """
 
     enabled: bool = False
+    reference: Literal["alone", "own"] = "alone"
     shares: list[float] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
     examples: int = Field(16, ge=1)
 
@@ -227,6 +235,15 @@ class GuardSection(Section):
         if len(set(value)) < 2:
             raise ValueError(f"at least two different shares to choose between, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _shares_mix_own(self) -> GuardSection:
+        if self.reference == "alone" and sorted(set(self.shares)) != [0.0, 1.0]:
+            raise ValueError(
+                f"guard.shares: {self.shares} mixes the two adapters, which needs guard.reference = 'own' (the "
+                "adapter trained alone is a LoRA of its own, not the strategy's: it is taken or not)"
+            )
+        return self
 
 
 MODULUS_RANGE = 2**32  # SecAgg+'s arithmetic is modulo this (Flower's default); a group's sum must stay below it

@@ -29,9 +29,15 @@ if TYPE_CHECKING:
     import torch
 
 GUARD_STATE_KEY = "guard-own"  # the client state key of its own last trained parameters (declared when enabled)
+GUARD_ALONE_KEY = "guard-alone"  # ... and of the LoRA trained alone beside the strategy's (``reference = "alone"``)
 GUARD_METRICS = ("guard_share", "guard_server_loss", "guard_own_loss")  # what an evaluate reply carries of it
 # ... and a train reply (under its own names: a round's train and eval metrics share one row of metrics.jsonl)
 TRAIN_GUARD_METRICS = tuple(f"train_{key}" for key in GUARD_METRICS)
+
+
+def guard_state_key(reference: str) -> str:
+    """The client-state key the guard's reference lives under (``guard.reference``: ``alone`` or ``own``)."""
+    return GUARD_ALONE_KEY if reference == "alone" else GUARD_STATE_KEY
 
 
 def as_train(metrics: Mapping[str, Any]) -> dict[str, Any]:

@@ -67,9 +67,9 @@ class StrategySpec:
 
     def state_keys(self, cfg: RunConfig) -> tuple[str, ...]:
         """Every client-state key a client of this strategy keeps (adapter kind's + client half's, and the guard's
-        copy of the client's own adapter when ``guard.enabled``)."""
+        reference when ``guard.enabled``: the adapter trained alone, or the copy of the client's own)."""
         from common.adapters import adapter_kind
-        from common.guard import GUARD_STATE_KEY
+        from common.guard import guard_state_key
 
-        guard = (GUARD_STATE_KEY,) if cfg.guard.enabled else ()
+        guard = (guard_state_key(cfg.guard.reference),) if cfg.guard.enabled else ()
         return (*adapter_kind(self.adapter_for(cfg)).state_keys, *self.client.state_keys, *guard)
