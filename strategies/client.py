@@ -125,8 +125,12 @@ class StrategyClient:
 def save_whole_adapter(rt: ClientRuntime, out_dir: Path) -> Path | None:
     """Save the adapter attached now as a whole (PEFT for LoRA): for strategies whose adapters live only on the
     clients (local-only, MIRA), so the client's copy is the only one."""
+    from common.adapters.personal import DualPath
+
     own = rt.adapter.save(out_dir, rt.model_name)
-    if own is not None:
+    # A dual-path kind saves its personal LoRA (and the kind's own copy where the kind keeps one); a LoRA's
+    # travelling half, the client's only copy here, is written as the server would write it.
+    if own is not None and (rt.adapter.keeps_adapter or not isinstance(rt.adapter, DualPath)):
         return own
     arrays, _ = rt.adapter.outgoing()
     return type(rt.adapter).save_server_copy(arrays, rt.cfg, rt.model_name, out_dir)

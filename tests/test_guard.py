@@ -21,7 +21,13 @@ from strategies.client import StrategyClient
 
 TRAIN = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8)]
 VALIDATION = [Example("toy", f"What is {i} plus {i}?", f"{2 * i}") for i in range(8, 16)]
-GUARDED = {"strategy": "fedavg", "guard.enabled": True, "guard.reference": "own", "data.validation-fraction": 0.2, "lora.r": 4}
+GUARDED = {
+    "strategy": "fedavg",
+    "guard.enabled": True,
+    "guard.reference": "own",
+    "data.validation-fraction": 0.2,
+    "lora.r": 4,
+}
 
 
 def test_mixed_is_the_share_weighted_blend_and_refuses_shares_outside_0_1():

@@ -18,6 +18,7 @@ SPEC = StrategySpec(
     server=Atlas,
     client=AtlasClient,
     adapter="lora",
+    adapter_from=lambda cfg: "lora-dual" if cfg.section(AtlasSection).personal_lora else "lora",
     section=AtlasSection,
     wire=AtlasWire,
     shared_sections=(FingerprintSection,),

@@ -39,6 +39,9 @@ class AtlasSection(Section):
     # ``laplacian-alpha`` as ``mira.alpha``, zero across clusters); 0: plain FedAvg inside each cluster.
     laplacian_eta: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     laplacian_alpha: float | Literal["median"] = "median"
+    # A personal LoRA (``personal.*``) beside the cluster's, trained every round and never sent (``lora-dual``, as
+    # fedavg-dual): a client put with the wrong partners still learns its own task. Fingerprints are taken without it.
+    personal_lora: bool = False
 
     _csv = field_validator("memory_mb", "ranks", mode="before")(split_csv)
     _alpha = field_validator("laplacian_alpha", mode="before")(parse_alpha)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from common.adapters.personal import DualPath
 from common.logs import get_logger
 
 from ..base import Arrays
@@ -55,6 +56,8 @@ class FingerprintClient(StrategyClient):
         adapter = rt.adapter
         adapter.begin(state, adapter.initial)
         adapter.prepare_training()
+        if isinstance(adapter, DualPath):  # its personal LoRA at its start (B zero: no output) and frozen
+            adapter.personal.at_start()
         seed = rt.cfg.seed * 7919 + server_round * 31 + rt.partition_id
         batches = fingerprint_batches(rt.train, cfg.batches, rt.cfg.train.batch_size, seed)
         grads = adapter_gradients(adapter.model, rt.tokenizer, batches, rt.cfg.train.max_seq_len)

@@ -16,6 +16,7 @@ SPEC = StrategySpec(
     server=Mira,
     client=MiraClient,
     adapter="lora",
+    adapter_from=lambda cfg: "lora-dual" if cfg.section(MiraSection).personal_lora else "lora",
     section=MiraSection,
     shared_sections=(FingerprintSection,),
     dp_refusal="each client's fingerprint (the task graph is made from it) is sent in the clear, unaccounted",

@@ -22,6 +22,9 @@ class MiraSection(Section):
     eta: float = Field(0.1, ge=0, le=1, allow_inf_nan=False)  # 0: local-only training; 1: the neighbours' mean
     refresh_every: int = Field(0, ge=0)  # new fingerprints (and adjacency) every N rounds; 0: once, in round 1
     min_group_size: int = Field(3, ge=3)  # secure mode: SecAgg+ groups of the adjacency graph, never smaller
+    # A personal LoRA (``personal.*``) beside the stepped one, trained every round and never sent or stepped
+    # (``lora-dual``, as fedavg-dual); fingerprints are taken without it.
+    personal_lora: bool = False
 
     _alpha = field_validator("alpha", mode="before")(parse_alpha)
 

@@ -41,6 +41,14 @@ class PersonalLora:
         kept = state.get(PERSONAL_STATE)
         set_personal_arrays(self.model, kept if kept is not None else self.initial)
 
+    def at_start(self) -> None:
+        """The initial weights (B zero: the path adds nothing), frozen: the model as it is without this path, for
+        a measurement that must not depend on what the client trained (ATLAS's and MIRA's fingerprints). The
+        client's kept weights are untouched; ``begin`` swaps them back in."""
+        set_personal_arrays(self.model, self.initial)
+        for param in self.parameters():
+            param.requires_grad_(False)
+
     def end(self, state) -> None:
         state.put(PERSONAL_STATE, get_personal_arrays(self.model))
 
