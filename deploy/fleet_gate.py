@@ -161,28 +161,31 @@ async def _read_body(
     if declared is not None and declared.strip().isdigit() and int(declared) > max_body:
         raise _refuse(413, f"body over {max_body} bytes", peer, f"Content-Length {declared} > {max_body} (413)")
 
-    async def read() -> None:
-        size = 0
-        chunks = request.stream().__aiter__()
-        while True:
-            try:  # a slow link is not a stalled one: the limit is on silence, the total below
-                chunk = await asyncio.wait_for(chunks.__anext__(), timeout)
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise _refuse(408, "body stalled", peer, f"no body bytes for {timeout:g} s (408)") from None
-            size += len(chunk)
-            if size > max_body:
-                raise _refuse(413, f"body over {max_body} bytes", peer, f"body over {max_body} bytes (413)")
-            if not budget.take(len(chunk)):
-                why = f"the bodies held at once would pass {budget.limit} bytes (--max-bodies-mb) (503)"
-                raise _refuse(503, "busy, retry", peer, why)
-            held.append(chunk)
-
-    try:
-        await asyncio.wait_for(read(), deadline)
-    except asyncio.TimeoutError:
-        raise _refuse(408, "body too slow", peer, f"body not complete within {deadline:g} s (408)") from None
+    # One wait per chunk, bounded by the silence limit and by what is left of the whole-body deadline. A deadline
+    # wrapped around the loop instead (nested wait_for) can lose its cancel on Python 3.11 when a chunk lands as it
+    # fires, and then the whole trickle is read.
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + deadline
+    size = 0
+    chunks = request.stream().__aiter__()
+    while True:
+        left = ends - loop.time()
+        wait = min(timeout, max(left, 0.0))
+        try:  # a slow link is not a stalled one: the limit is on silence, the total is the deadline
+            chunk = await asyncio.wait_for(chunks.__anext__(), wait)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            if left <= timeout:
+                raise _refuse(408, "body too slow", peer, f"body not complete within {deadline:g} s (408)") from None
+            raise _refuse(408, "body stalled", peer, f"no body bytes for {timeout:g} s (408)") from None
+        size += len(chunk)
+        if size > max_body:
+            raise _refuse(413, f"body over {max_body} bytes", peer, f"body over {max_body} bytes (413)")
+        if not budget.take(len(chunk)):
+            why = f"the bodies held at once would pass {budget.limit} bytes (--max-bodies-mb) (503)"
+            raise _refuse(503, "busy, retry", peer, why)
+        held.append(chunk)
 
 
 async def _chunks(held: list[bytes]) -> AsyncIterator[bytes]:
