@@ -81,7 +81,7 @@ def primary_table(report: dict[str, Any], link: str) -> str:
     lines = [
         heading(report, link),
         "",
-        target_status(report.get("verdicts", []), references),
+        target_status(report.get("verdicts", []), references, declared),
         "",
         f"| A − B | {declared}, per seed | {declared} [95 %, seed-aware] | p (bootstrap / t) | Holm p | verdict "
         f"| {beside} [95 %] (exploratory) | clients better / worse |",
@@ -141,7 +141,8 @@ def before_after_table(report: dict[str, Any], link: str) -> str:
     references = primary_references(report)
     lines += [
         "",
-        f"{kept} of {len(before)} verdicts resolved then still stand. Now: {target_status(now.values(), references)}",
+        f"{kept} of {len(before)} verdicts resolved then still stand. Now: "
+        + target_status(now.values(), references, (report.get("primary") or {}).get("statistic", "worst client")),
     ]
     return "\n".join(lines)
 
