@@ -7,8 +7,9 @@ A page asks for a table with a marker, and this fills (or, with ``--check``, che
     <!-- /bench.tables -->
 
 Kinds: ``primary`` (a report's verdicts against the references: the preset's primary claims with their Holm-adjusted
-p-values, the rest marked exploratory) and ``before-after`` (a report made before the seed-aware verdicts: each
-verdict it resolved then, beside what the current statistics say of the same runs). Report paths are relative to the
+p-values, the rest marked exploratory), ``before-after`` (a report made before the seed-aware verdicts: each
+verdict it resolved then, beside what the current statistics say of the same runs) and ``robustness`` (each primary
+claim with one seed left out, as ``bench.robustness`` stored it in the report). Report paths are relative to the
 repository root.
 
     python -m bench.tables            # rewrite every marked table in README.md and docs/
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.prose_numbers import unsupported
+from bench.robustness import robustness_table
 from bench.stats import MIN_SEEDS
 from bench.verdicts import interval_text, target_status
 
@@ -147,7 +149,21 @@ def before_after_table(report: dict[str, Any], link: str) -> str:
     return "\n".join(lines)
 
 
-RENDER = {"primary": primary_table, "before-after": before_after_table}
+def robustness(report: dict[str, Any], link: str) -> str:
+    """Each primary claim with one seed left out (``bench.robustness``, stored in the report); refused where the
+    report's claims have changed since it was computed (a re-render with other runs)."""
+    stored = report.get("robustness")
+    if stored is None:
+        raise SystemExit(f"{link}: no robustness stored (python -m bench.robustness {Path(link).parent})")
+    now = {(v["a"], v["b"]): v for v in report.get("verdicts", []) if v.get("primary")}
+    for r in stored:
+        claim = now.get((r["a"], r["b"]))
+        if claim is None or (claim["holm_p"], claim["verdict"]) != (r["holm_p"], r["verdict"]):
+            raise SystemExit(f"{link}: its robustness is older than its claims (python -m bench.robustness)")
+    return "\n".join([heading(report, link), "", *robustness_table(stored)])
+
+
+RENDER = {"primary": primary_table, "before-after": before_after_table, "robustness": robustness}
 
 
 def render_page(page: Path, root: Path | None = None) -> str:
