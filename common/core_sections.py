@@ -202,8 +202,8 @@ class EvalSection(Section):
 
 
 class GuardSection(Section):
-    """Do no harm (``common.guard``): a client keeps, of what the server sends, the share that does not raise the
-    loss on its own validation split.
+    """Do no harm (``common.guard``, ``client_app/do_no_harm.py``): a client keeps the strategy's adapter only where
+    it does not raise the loss on its own validation split against the reference below.
 
     enabled: compare, at every message after the client's first training, the adapter the server's message gives
         it with the reference below, and keep the one of lowest validation loss.
