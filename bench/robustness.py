@@ -28,19 +28,22 @@ def leave_one_seed_out(
     rows: Sequence[Row], primary: dict[str, Any], claims: Sequence[dict[str, Any]], replicates: int = 2000
 ) -> list[dict[str, Any]]:
     """For each primary claim record (``a``, ``b``, ``statistic``, ``holm_p``, ``verdict``, ``per_seed``), its Holm
-    p-value and verdict with each seed left out, the family recomputed from ``rows`` each time. A claim with fewer
-    than ``MIN_SEEDS`` + 1 seeds has no leave-one-out that could resolve and gets none."""
+    p-value and verdict with each of its seeds left out, the family recomputed from ``rows`` each time. A claim with
+    fewer than ``MIN_SEEDS`` + 1 seeds has no leave-one-out that could resolve and gets none."""
     seeds = sorted({r["seed"] for r in rows})
     without: dict[int, dict[tuple[str, str], dict[str, Any]]] = {}
     for seed in seeds if len(seeds) > MIN_SEEDS else []:
         _, records = verdict_tables([r for r in rows if r["seed"] != seed], primary["references"], primary, replicates)
         without[seed] = {(r["a"], r["b"]): r for r in records if r.get("primary")}
+    ran = {(r["strategy"], r["seed"]) for r in rows}
     out = []
     for claim in claims:
+        # only the claim's own seeds (both strategies ran them), and none where leaving one leaves too few to resolve
+        own = [s for s in without if (claim["a"], s) in ran and (claim["b"], s) in ran]
         left = {
             str(seed): {"holm_p": got["holm_p"], "verdict": got["verdict"]}
-            for seed, family in without.items()
-            if (got := family.get((claim["a"], claim["b"]))) is not None
+            for seed in (own if len(own) > MIN_SEEDS else [])
+            if (got := without[seed].get((claim["a"], claim["b"]))) is not None
         }
         out.append(
             {

@@ -42,6 +42,14 @@ def test_a_claim_that_needs_every_seed_is_named_with_the_seeds_it_rests_on():
     assert fragile["4"]["verdict"] == "better"  # leaving out the seed that found nothing only strengthens it
 
 
+def test_a_claim_on_three_of_the_reports_five_seeds_has_no_leave_one_out():
+    rows = [r for r in _rows() if r["strategy"] != "fragile" or r["seed"] < 3]
+    primary, verdicts = _report(rows)
+    claims = [v for v in verdicts if v.get("primary")]
+    records = {r["a"]: r for r in leave_one_seed_out(rows, primary, claims, replicates=400)}
+    assert stands(records["fragile"]) is None and stands(records["steady"]) is True
+
+
 def test_three_seeds_have_no_leave_one_out_and_say_so():
     rows = [r for r in _rows() if r["seed"] < 3]
     primary, verdicts = _report(rows)
