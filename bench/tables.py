@@ -32,7 +32,7 @@ from typing import Any
 from bench.prose_numbers import unsupported
 from bench.robustness import robustness_table
 from bench.stats import MIN_SEEDS
-from bench.verdicts import interval_text, target_status
+from bench.verdicts import PRIMARY_STATISTIC, client_records, interval_text, target_status
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- bench\.tables (?P<kind>[a-z-]+) (?P<report>\S+) -->$")
@@ -57,6 +57,11 @@ def primary_references(report: dict[str, Any]) -> list[str]:
     return (report.get("primary") or {}).get("references") or report.get("references") or ["local", "fedavg"]
 
 
+def primary_statistic(report: dict[str, Any]) -> str:
+    """The statistic a report's preset declared its claims on (older reports: the worst client)."""
+    return (report.get("primary") or {}).get("statistic", PRIMARY_STATISTIC)
+
+
 def records_by_pair(verdicts: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
     return {(v["a"], v["b"], v["statistic"]): v for v in verdicts}
 
@@ -78,7 +83,7 @@ def primary_table(report: dict[str, Any], link: str) -> str:
     and the per-client counts."""
     by_pair = records_by_pair(report.get("verdicts", []))
     references = primary_references(report)
-    declared = (report.get("primary") or {}).get("statistic", "worst client")
+    declared = primary_statistic(report)
     beside = "mean client" if declared == "worst client" else "worst client"
     lines = [
         heading(report, link),
@@ -92,7 +97,7 @@ def primary_table(report: dict[str, Any], link: str) -> str:
     headline = [v for v in report.get("verdicts", []) if v["statistic"] == declared]
     for record in sorted(headline, key=lambda v: not v.get("primary")):
         other = by_pair.get((record["a"], record["b"], beside))
-        clients = by_pair.get((record["a"], record["b"], "per client"), {}).get("clients", {})
+        clients = client_records(by_pair, record["a"], record["b"]) or {}
         counts = [c["verdict"] for c in clients.values()]
         t_p = "–" if record.get("t_p") is None else f"{record['t_p']:.2g}"
         cells = [
@@ -144,7 +149,7 @@ def before_after_table(report: dict[str, Any], link: str) -> str:
     lines += [
         "",
         f"{kept} of {len(before)} verdicts resolved then still stand. Now: "
-        + target_status(now.values(), references, (report.get("primary") or {}).get("statistic", "worst client")),
+        + target_status(now.values(), references, primary_statistic(report)),
     ]
     return "\n".join(lines)
 

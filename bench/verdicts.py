@@ -235,7 +235,7 @@ def verdict_tables(
 def target_status(
     records: Iterable[dict[str, Any]],
     references: Sequence[str] = ("local", "fedavg"),
-    statistic: str = "worst client",
+    statistic: str = PRIMARY_STATISTIC,
 ) -> str:
     """The evidence target, read off the verdict records: a strategy whose ``statistic`` (the preset's declared
     one: the worst client unless it names the mean client) is better than every reference's (its primary, corrected
@@ -250,15 +250,15 @@ def target_status(
     for a in candidates:
         missing = []
         for ref in references:
-            worst = by_pair.get((a, ref, statistic))
-            if worst is None:
+            claim = by_pair.get((a, ref, statistic))
+            if claim is None:
                 missing.append(f"no pair with {ref}")
-            elif worst["verdict"] != "better":
-                adjusted = f", Holm p {worst['holm_p']:.2g}" if worst.get("holm_p") is not None else ""
-                seeds = len(worst["per_seed"])
+            elif claim["verdict"] != "better":
+                adjusted = f", Holm p {claim['holm_p']:.2g}" if claim.get("holm_p") is not None else ""
+                seeds = len(claim["per_seed"])
                 adjusted += f", {seeds} seed{'s' if seeds > 1 else ''}" if seeds < MIN_SEEDS else ""
-                missing.append(f"{statistic} − {ref} {worst['verdict']}{adjusted}")
-        clients = by_pair.get((a, references[0], "per client"), {}).get("clients", {})
+                missing.append(f"{statistic} − {ref} {claim['verdict']}{adjusted}")
+        clients = client_records(by_pair, a, references[0]) or {}
         hurt = [c for c, v in clients.items() if v["verdict"] == "worse"]
         if hurt:
             missing.append(f"client{'s' if len(hurt) > 1 else ''} {', '.join(hurt)} worse than {references[0]}")
@@ -278,10 +278,17 @@ def target_status(
     return status + do_no_harm_status(by_pair, candidates, references[0])
 
 
+def client_records(
+    by_pair: dict[tuple[str, str, str], dict[str, Any]], a: str, reference: str
+) -> dict[str, dict[str, Any]] | None:
+    """``a``'s per-client interval records against ``reference`` (client -> record; None: no such pair)."""
+    return by_pair.get((a, reference, "per client"), {}).get("clients")
+
+
 def largest_harm(by_pair: dict[tuple[str, str, str], dict[str, Any]], a: str, reference: str) -> str:
     """The client of ``a`` whose seed-aware interval against ``reference`` reaches highest, as ``client 1 +0.000
     [-0.056, +0.076]``: "no client resolved worse" says nothing of how much harm an interval still allows."""
-    clients = by_pair.get((a, reference, "per client"), {}).get("clients", {})
+    clients = client_records(by_pair, a, reference)
     if not clients:
         return "no per-client intervals"
     client, record = max(clients.items(), key=lambda item: item[1]["high"])
@@ -298,7 +305,7 @@ def do_no_harm_status(by_pair: dict[tuple[str, str, str], dict[str, Any]], candi
     (per client, seed-aware). Empty when no strategy ran with it."""
     lines = []
     for a in (c for c in candidates if guarded(c)):
-        clients = by_pair.get((a, local, "per client"), {}).get("clients")
+        clients = client_records(by_pair, a, local)
         if clients is None:
             lines.append(f"{a}: no pair with {local}")
             continue
