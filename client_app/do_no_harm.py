@@ -1,15 +1,16 @@
 """The do-no-harm guard on a client (``guard.*``; its math is ``common.guard``): what the adapter a message gives
 is compared with on the client's validation examples, and what the client keeps.
 
-``guard.reference = "alone"`` (the default): the reference is what training alone would reach. Beside the
-strategy's adapter the client trains the local-only baseline's LoRA (``lora.*`` of the run, the baseline's initial
-adapter, its batches, its seed and its step size: the same round of training a local-only run of this client
-does), keeps it in its state (``guard-alone``) and never sends it. At an evaluate message it measures both on the
-first ``guard.examples`` validation examples and is evaluated (and, at the last round, saved) with the lower; ties
-go to the strategy's. What it trains and sends is always the strategy's, so the federation gets the member's
-contribution whatever the member keeps. The shared base model carries one adapter at a time
-(``client_runtime.LoadedModel.attach``): the client swaps the LoRA in for its training and its measurement and
-swaps the strategy's back (module surgery, no reload).
+``guard.reference = "alone"`` (the default): the reference is what training alone would reach. Beside the strategy's
+adapter the client trains the local-only baseline's LoRA (``lora.*`` of the run, the baseline's initial adapter, its
+batches, its seed and its step size: the same round of training a local-only run of this client does), keeps it in
+its state (``guard-alone``) and never sends it. At an evaluate message it measures both on the first
+``guard.examples`` validation examples and is evaluated (and, at the last round, saved) with the strategy's only
+where that one is lower by ``guard.standard-errors`` of the paired per-example difference
+(``common.guard.strategy_kept``), else with the adapter trained alone. What it trains and sends is always the
+strategy's, so the federation gets the member's contribution whatever the member keeps. The shared base model
+carries one adapter at a time (``client_runtime.LoadedModel.attach``): the client swaps the LoRA in for its training
+and its measurement and swaps the strategy's back (module surgery, no reload).
 
 ``guard.reference = "own"``: the client's own last trained parameters of the strategy's adapter, mixed with what
 the message gives at ``guard.shares`` on train and evaluate messages (``common.guard.choose``). It can refuse what
@@ -22,14 +23,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from common.adapters import adapter_kind
-from common.evaluation import answer_loss
-from common.guard import GUARD_ALONE_KEY, GUARD_STATE_KEY, choose
+from common.evaluation import example_losses, token_mean
+from common.guard import GUARD_ALONE_KEY, GUARD_STATE_KEY, choose, strategy_kept
 from common.logs import get_logger
 from common.training import round_learning_rate, train_round
 
 from .runtime import ClientRuntime, node_train_settings, run_config
 
 if TYPE_CHECKING:
+    import torch
     from flwr.app import Context
 
     from common.adapters import AdapterKind
@@ -41,14 +43,26 @@ ALONE_KIND = "lora"  # the local-only baseline's adapter kind (``local.adapter``
 
 def alone_reference(cfg: RunConfig) -> bool:
     """Whether this run's clients train the adapter alone beside the strategy's (a local-only run is that already)."""
-    return cfg.guard.enabled and cfg.guard.reference == "alone" and cfg.strategy != "local"
+    return cfg.guarded and cfg.guard.reference == "alone" and cfg.strategy != "local"
+
+
+def validation_losses(rt: ClientRuntime, model: torch.nn.Module) -> list[tuple[float, int]]:
+    """Per validation example the guard reads (the first ``guard.examples`` of the client's validation split), with
+    ``model`` as attached now: summed answer-token loss and answer-token count."""
+    model.eval()
+    cfg = rt.cfg
+    examples = rt.validation[: cfg.guard.examples]
+    return example_losses(model, rt.tokenizer, examples, cfg.eval.batch_size, cfg.train.max_seq_len)
 
 
 def validation_loss(rt: ClientRuntime) -> float:
-    """The loss of the model as attached now on the first ``guard.examples`` of the client's validation split."""
-    rt.model.eval()
-    examples = rt.validation[: rt.cfg.guard.examples]
-    return answer_loss(rt.model, rt.tokenizer, examples, rt.cfg.eval.batch_size, rt.cfg.train.max_seq_len)
+    """The loss per answer token of the model as attached now on the guard's validation examples."""
+    return token_mean(validation_losses(rt, rt.model))
+
+
+def per_example(losses: list[tuple[float, int]]) -> list[float]:
+    """Each example's mean loss per answer token (what ``strategy_kept`` pairs)."""
+    return [total / max(count, 1) for total, count in losses]
 
 
 def guard_own(rt: ClientRuntime) -> dict[str, Any]:
@@ -56,7 +70,7 @@ def guard_own(rt: ClientRuntime) -> dict[str, Any]:
     own last trained adapter) that is lowest in validation loss; returns the guard's metrics (none when it is off,
     or with the other reference)."""
     settings = rt.cfg.guard
-    if not settings.enabled or settings.reference != "own":
+    if not rt.cfg.guarded or settings.reference != "own":
         return {}
     own = rt.state.get(GUARD_STATE_KEY)
     if own is None:  # nothing trained yet
@@ -111,41 +125,40 @@ def train_alone(context: Context, rt: ClientRuntime, server_round: int, seed: in
     )
 
 
-def alone_loss(context: Context, rt: ClientRuntime) -> float | None:
-    """The validation loss of the adapter trained alone (None: the guard is off, uses the other reference, or the
-    client has not trained yet); the strategy's adapter attached back (its message not begun)."""
+def alone_loss(context: Context, rt: ClientRuntime) -> list[tuple[float, int]] | None:
+    """The per-example validation losses of the adapter trained alone (None: the guard is off, uses the other
+    reference, or the client has not trained yet); the strategy's adapter attached back (its message not begun)."""
     if not alone_reference(rt.cfg) or rt.state.get(GUARD_ALONE_KEY) is None:
         return None
-    cfg = rt.cfg
     attach_alone(rt, alone_config(context, rt))
-    loss = answer_loss(
-        rt.loaded.model, rt.tokenizer, rt.validation[: cfg.guard.examples], cfg.eval.batch_size, cfg.train.max_seq_len
-    )
-    rt.reattach(cfg)
-    return loss
+    losses = validation_losses(rt, rt.loaded.model)
+    rt.reattach(rt.cfg)
+    return losses
 
 
-def keep_better(context: Context, rt: ClientRuntime, alone: float | None) -> dict[str, Any]:
-    """At an evaluate message, after the strategy set its adapter: the guard's metrics, and, where the adapter
-    trained alone is lower in validation loss than the strategy's (``alone``, measured before), that adapter
-    attached as ``rt.adapter`` (the strategy's kept state written first, as the end of an evaluation does)."""
+def keep_better(context: Context, rt: ClientRuntime, alone: list[tuple[float, int]] | None) -> dict[str, Any]:
+    """At an evaluate message, after the strategy set its adapter: the guard's metrics (both adapters' validation
+    losses), and, unless the strategy's adapter beats the one trained alone (``alone``, measured before) by
+    ``guard.standard-errors`` (``strategy_kept``), that adapter attached as ``rt.adapter`` (the strategy's kept
+    state written first, as the end of an evaluation does)."""
     if alone is None:
         return {"guard_share": 1.0} if alone_reference(rt.cfg) else {}
-    strategy = validation_loss(rt)
-    metrics: dict[str, Any] = {"guard_server_loss": strategy, "guard_own_loss": alone}
-    if alone < strategy:
+    ours = validation_losses(rt, rt.model)
+    strategy, reference = token_mean(ours), token_mean(alone)
+    metrics: dict[str, Any] = {"guard_server_loss": strategy, "guard_own_loss": reference}
+    if strategy_kept(per_example(ours), per_example(alone), rt.cfg.guard.standard_errors):
+        metrics["guard_share"] = 1.0
+    else:
         rt.adapter.end(rt.state)
         cfg = alone_config(context, rt)
         rt.adapter, rt.cfg = attach_alone(rt, cfg), cfg
         metrics["guard_share"] = 0.0
-    else:
-        metrics["guard_share"] = 1.0
     log.info(
         "partition %d: guard: validation loss %.4f with the strategy's adapter, %.4f with the one trained "
         "alone: evaluated with %s",
         rt.partition_id,
         strategy,
-        alone,
+        reference,
         "the strategy's" if metrics["guard_share"] else "the one trained alone",
     )
     return metrics

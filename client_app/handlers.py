@@ -116,7 +116,7 @@ def train(msg: Message, context: Context) -> Message:
             rt.model, rt.tokenizer, rt.train, settings, lr, plan.q, z, clip, rt.adapter.lr_groups()
         )
     metrics: dict[str, Any] = dict(trained)
-    if rt.cfg.guard.enabled and rt.cfg.guard.reference == "own":  # its own adapter, for the next message's guard
+    if rt.cfg.guarded and rt.cfg.guard.reference == "own":  # its own adapter, for the next message's guard
         own = rt.state.get(GUARD_STATE_KEY) or {}
         rt.state.put(GUARD_STATE_KEY, snapshot(rt.model, sorted({*own, *trained_names(rt.model)})))
     metrics.update(as_train(guarded))

@@ -74,8 +74,11 @@ def refusal(cfg: RunConfig) -> str | None:
     spec = strategy_spec(cfg.strategy)
     if spec.record_dp_refusal:
         return f"node-config dp-record-epsilon: strategy '{spec.name}' cannot keep it: {spec.record_dp_refusal}"
-    if cfg.guard.enabled:
-        return "node-config dp-record-epsilon: guard.enabled chooses on the member's validation records outside DP-SGD"
+    if cfg.guarded:
+        return (
+            "node-config dp-record-epsilon: the do-no-harm guard (guard.enabled) chooses on the member's validation "
+            "records outside DP-SGD"
+        )
     return None
 
 

@@ -61,11 +61,13 @@ class Plan(NamedTuple):
         adapter: the adapter kind it trains (a key of ``common.adapters.ADAPTER_KINDS``).
         adapter_section: that kind's section (its ``train_overrides`` replace local-training settings).
         checked: the sections the run reads beyond the core, whose ``check`` must pass.
+        guarded_by_default: whether ``guard.enabled = "auto"`` turns the do-no-harm guard on for it.
     """
 
     adapter: str
     adapter_section: type[Section]
     checked: Sequence[type[Section]]
+    guarded_by_default: bool = False
 
 
 Planner = Callable[["RunConfig"], Plan]
@@ -120,9 +122,9 @@ class RunConfig(Section):
         if self.secure and self.min_train_replies < 3:
             # SecAgg+ over 2 clients leaks each update to the other one.
             raise ValueError("min-train-replies: must be >= 3 when secure=true (a SecAgg+ group of 2 leaks updates)")
-        if self.guard.enabled and self.data.validation_fraction == 0:
+        if self.guard.enabled is True and self.data.validation_fraction == 0:
             raise ValueError("guard.enabled: it chooses on the validation split; set data.validation-fraction > 0")
-        if self.guard.enabled and self.data.eval_split == "validation":
+        if self.guard.enabled is True and self.data.eval_split == "validation":
             # it would choose on the very examples it reports: a flattering number, not a measurement
             raise ValueError("guard.enabled: not with data.eval-split = 'validation' (it chooses on that split)")
         self._check_dp()
@@ -143,7 +145,7 @@ class RunConfig(Section):
                 "dp.mode: 'central' has the server add the noise to sums it sees; with secure=true "
                 "the members add it ('distributed')"
             )
-        if self.dp.record_enabled and self.guard.enabled:
+        if self.dp.record_enabled and self.guard.enabled is True:
             raise ValueError(
                 "guard.enabled: not with record-level DP (dp.record-epsilon): it chooses on the member's validation "
                 "records outside the DP-SGD steps"
@@ -183,6 +185,21 @@ class RunConfig(Section):
         if self._plan is None:
             raise ConfigError("strategy: this config was built without its strategy (use strategies.load_run_config)")
         return self._plan
+
+    @property
+    def guarded(self) -> bool:
+        """Whether this run's clients run the do-no-harm guard: ``guard.enabled`` as set, or with ``auto`` (its
+        default) where the strategy guards by default and the run can: a validation split to choose on, which
+        evaluation does not report, and no record-level DP (``GuardSection``)."""
+        if self.guard.enabled != "auto":
+            return bool(self.guard.enabled)
+        return (
+            self._plan is not None
+            and self._plan.guarded_by_default
+            and self.data.validation_fraction > 0
+            and self.data.eval_split == "test"
+            and not self.dp.record_enabled
+        )
 
     def train_settings(self) -> TrainSection:
         """The local-training settings for this run's adapter (e.g. PQ-LoRA has its own learning rate)."""

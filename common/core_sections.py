@@ -206,7 +206,10 @@ class GuardSection(Section):
     it does not raise the loss on its own validation split against the reference below.
 
     enabled: compare, at every message after the client's first training, the adapter the server's message gives
-        it with the reference below, and keep the one of lowest validation loss.
+        it with the reference below, and keep the better. ``auto`` (the default): on for the strategies that guard
+        by default (``StrategySpec.guarded_by_default``: SimGrad, ATLAS, MIRA) where the run can (a validation split,
+        ``data.validation-fraction`` > 0, that evaluation does not report, and no record-level DP); off otherwise.
+        ``RunConfig.guarded`` says which.
     reference: what it is compared with. ``alone`` (the default): the LoRA local-only training would reach
         (``lora.*``, the baseline's seed, batches and step size), trained beside the strategy's adapter every round
         and never sent: at an evaluate message the client is evaluated (and, at the end, saved) with the better of
@@ -216,13 +219,19 @@ class GuardSection(Section):
     shares: (``reference = "own"``) the server's shares tried (1: the strategy as it is, 0: the client's own
         adapter; [0, 1] adopts or refuses, values between also learn how much to mix in). With ``alone`` the two
         adapters differ in structure: the choice is 1 or 0.
-    examples: the validation examples the choice is made on (the first ones of the client's validation split).
+    examples: the validation examples the choice is made on (the first ones of the client's validation split; all
+        of it where it has fewer).
+    standard-errors: (``reference = "alone"``) how clearly the strategy's adapter must win to be kept: its mean
+        per-example validation loss must be below the adapter trained alone's by at least this many standard errors
+        of the paired per-example difference (0: lower at all). A close call goes to the adapter trained alone, whose
+        quality the member would have had without the federation.
     """
 
-    enabled: bool = False
+    enabled: bool | Literal["auto"] = "auto"
     reference: Literal["alone", "own"] = "alone"
     shares: list[float] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
-    examples: int = Field(16, ge=1)
+    examples: int = Field(64, ge=1)
+    standard_errors: float = Field(1.0, ge=0, le=10, allow_inf_nan=False)
 
     _csv = field_validator("shares", mode="before")(split_csv)
 

@@ -8,12 +8,13 @@ mixes towards its own last trained adapter: for each share ``s`` in ``guard.shar
 ``s * server + (1 - s) * own``; the share with the lowest validation loss is kept (ties go to the larger share, the
 server's side). Share 1 is the strategy as it is, share 0 the client's own adapter; ``shares = [0, 1]`` adopts or
 refuses, intermediate shares learn how much to mix in.
-
-What is compared: the parameters the client trained in its last round (``snapshot``), kept in the client state
-under ``GUARD_STATE_KEY``. Parameters it did not train are left as the message set them. The first message of a
-run has no own adapter yet, and neither has a client whose server candidate equals its own (local-only): both
-skip the comparison. Nothing of this leaves the client but three metrics (the share kept and the two validation
-losses), so the server learns what it learnt before, plus how much each client trusts what it sends.
+ What is compared: the parameters the client trained in its last round (``snapshot``), kept in the client state
+under ``GUARD_STATE_KEY``. Parameters it did not train are left as the message set them. The first message of a run
+has no own adapter yet, and neither has a client whose server candidate equals its own (local-only): both skip the
+comparison. With ``reference = "alone"`` the choice is ``strategy_kept``: the strategy's adapter must beat the one
+trained alone by ``guard.standard-errors`` of the paired per-example difference. Nothing of this leaves the client
+but three metrics (the share kept and the two validation losses), so the server learns what it learnt before, plus
+how much each client trusts what it sends.
 
 These are plain functions over a torch model and NumPy arrays; ``client_app.handlers`` calls ``guard_start``.
 """
@@ -71,6 +72,24 @@ def best_share(losses: Mapping[float, float]) -> float:
         return max(losses)
     lowest = min(finite.values())
     return max(s for s, loss in finite.items() if loss == lowest)
+
+
+def strategy_kept(strategy: Sequence[float], alone: Sequence[float], standard_errors: float) -> bool:
+    """Whether a client keeps the strategy's adapter against the one trained alone (``guard.reference = "alone"``),
+    given each one's loss per validation example (the same examples, in the same order): where the mean of the
+    paired differences (strategy's - alone's), plus ``standard_errors`` of their standard errors, is at most 0. So
+    the strategy's must win by a margin the examples resolve; with 0 (or one example) a tie keeps the strategy's.
+    A NaN loss of the strategy's never wins; one of the adapter trained alone's always loses."""
+    ours, theirs = np.asarray(strategy, dtype=np.float64), np.asarray(alone, dtype=np.float64)
+    if ours.shape != theirs.shape or ours.ndim != 1 or not len(ours):
+        raise ValueError(f"per-example losses of the same examples expected, got {ours.shape} and {theirs.shape}")
+    if not np.all(np.isfinite(ours)):
+        return False
+    if not np.all(np.isfinite(theirs)):
+        return True
+    difference = ours - theirs
+    spread = difference.std(ddof=1) / np.sqrt(len(difference)) if len(difference) > 1 else 0.0
+    return bool(difference.mean() + standard_errors * spread <= 0.0)
 
 
 def comparable(server: Mapping[str, np.ndarray], own: Mapping[str, np.ndarray]) -> list[str]:

@@ -114,7 +114,7 @@ def run_plan(cfg: RunConfig) -> Plan:
             f"dp.record-epsilon: strategy '{spec.name}' cannot be run with record-level DP: {spec.record_dp_refusal}"
         )
     adapter = spec.adapter_for(cfg)
-    return Plan(adapter, adapter_kind(adapter).section, spec.sections(cfg))
+    return Plan(adapter, adapter_kind(adapter).section, spec.sections(cfg), spec.guarded_by_default)
 
 
 def load_run_config(flat: Mapping[str, Any]) -> RunConfig:

@@ -40,6 +40,9 @@ class StrategySpec:
         record_dp_refusal: why record-level DP-SGD (``dp.record-*``, or a member's own ``dp-record-epsilon``) does not
             cover what it sends: what it computes from a member's records outside the DP-SGD steps (None: nothing,
             its update is post-processing of them). A new strategy is refused until it says.
+        guarded_by_default: whether ``guard.enabled = "auto"`` (the default) runs the do-no-harm guard for it: for
+            a strategy whose shared adapter can leave a member worse than training alone and that has no personal
+            path of its own measured to prevent it (docs/do-no-harm.md).
     """
 
     name: str
@@ -52,6 +55,7 @@ class StrategySpec:
     wire: type[Part] | None = None
     dp_refusal: str | None = "it has not declared what it releases beside its group sums"
     record_dp_refusal: str | None = "it has not declared what it computes from the records outside DP-SGD"
+    guarded_by_default: bool = False
 
     def adapter_for(self, cfg: RunConfig) -> str:
         """The adapter kind a run of this strategy trains."""
@@ -67,9 +71,10 @@ class StrategySpec:
 
     def state_keys(self, cfg: RunConfig) -> tuple[str, ...]:
         """Every client-state key a client of this strategy keeps (adapter kind's + client half's, and the guard's
-        reference when ``guard.enabled``: the adapter trained alone, or the copy of the client's own)."""
+        reference where the run is guarded, ``RunConfig.guarded``: the adapter trained alone, or the client's own
+        copy)."""
         from common.adapters import adapter_kind
         from common.guard import guard_state_key
 
-        guard = (guard_state_key(cfg.guard.reference),) if cfg.guard.enabled else ()
+        guard = (guard_state_key(cfg.guard.reference),) if cfg.guarded else ()
         return (*adapter_kind(self.adapter_for(cfg)).state_keys, *self.client.state_keys, *guard)

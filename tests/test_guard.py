@@ -13,7 +13,16 @@ from client_app.runtime import ClientRuntime, LoadedModel
 from common.adapters import ClientState, adapter_kind
 from common.config import ConfigError
 from common.data import ClientData, Example
-from common.guard import GUARD_STATE_KEY, best_share, choose, mixed, snapshot, trained_names
+from common.guard import (
+    GUARD_STATE_KEY,
+    best_share,
+    choose,
+    guard_state_key,
+    mixed,
+    snapshot,
+    strategy_kept,
+    trained_names,
+)
 from common.model import load_base_model, load_tokenizer
 from common.training import train_round
 from strategies import load_run_config, strategy_spec
@@ -161,6 +170,8 @@ def test_without_the_guard_a_client_neither_measures_nor_keeps_a_copy(tiny_llama
         ({"guard.shares": "0,1.5"}, "guard.shares"),
         ({"guard.shares": "1"}, "guard.shares"),
         ({"guard.examples": 0}, "guard.examples"),
+        ({"guard.standard-errors": -1}, "guard.standard-errors"),
+        ({"guard.enabled": "sometimes"}, "guard.enabled"),
     ],
 )
 def test_a_bad_guard_config_names_its_key(settings, says):
@@ -205,3 +216,38 @@ def test_a_guarded_federation_measures_every_message_after_the_first_training_an
         if row["round"] == 2:  # the end: a client that kept less than the server's adapter saved what it kept
             kept_own = row["guard_share"] < 1.0
             assert (run_dir / "client-adapters" / f"partition-{row['partition_id']}").exists() == kept_own
+
+
+def test_the_strategys_adapter_is_kept_only_where_it_wins_by_the_margin_the_examples_resolve():
+    alone = [1.0, 2.0, 3.0, 4.0]
+    clearly = [0.5, 1.5, 2.5, 3.5]  # lower on every example by 0.5: no spread, resolved at any margin
+    assert strategy_kept(clearly, alone, 1.0) and strategy_kept(clearly, alone, 10.0)
+    noisy = [0.0, 2.5, 2.0, 4.3]  # lower on the mean (-0.3), by less than a standard error of the differences
+    assert strategy_kept(noisy, alone, 0.0) and not strategy_kept(noisy, alone, 1.0)
+    assert not strategy_kept([1.1, 2.1, 3.1, 4.1], alone, 0.0)  # higher everywhere
+    assert strategy_kept(alone, alone, 1.0)  # a tie with nothing between them: the strategy's (the same losses)
+    assert not strategy_kept([float("nan"), 0.0, 0.0, 0.0], alone, 0.0)
+    assert strategy_kept(clearly, [float("nan"), 2.0, 3.0, 4.0], 1.0)
+    with pytest.raises(ValueError, match="same examples"):
+        strategy_kept([1.0], alone, 1.0)
+
+
+@pytest.mark.parametrize(
+    "settings, guarded",
+    [
+        ({"strategy": "simgrad", "data.validation-fraction": 0.2}, True),
+        ({"strategy": "atlas", "data.validation-fraction": 0.2}, True),
+        ({"strategy": "mira", "data.validation-fraction": 0.2}, True),
+        ({"strategy": "simgrad"}, False),  # no validation split to choose on: off, not an error
+        ({"strategy": "simgrad", "data.validation-fraction": 0.2, "data.eval-split": "validation"}, False),
+        ({"strategy": "simgrad", "data.validation-fraction": 0.2, "guard.enabled": False}, False),
+        ({"strategy": "fedavg", "data.validation-fraction": 0.2}, False),
+        ({"strategy": "fedavg-dual", "data.validation-fraction": 0.2}, False),  # its personal LoRA is its guard
+        ({"strategy": "fedavg", "data.validation-fraction": 0.2, "guard.enabled": True}, True),
+    ],
+)
+def test_the_guard_is_on_by_default_for_the_strategies_that_can_harm_a_member(settings, guarded):
+    cfg = load_run_config(settings)
+    assert cfg.guarded is guarded
+    state_keys = strategy_spec(cfg.strategy).state_keys(cfg)
+    assert (guard_state_key(cfg.guard.reference) in state_keys) is guarded

@@ -24,6 +24,7 @@ SPEC = StrategySpec(
     shared_sections=(FingerprintSection,),
     dp_refusal="each client's fingerprint (the clusters are made from it) is sent in the clear, unaccounted",
     record_dp_refusal="each client's fingerprint is made from raw gradients on its records, outside DP-SGD",
+    guarded_by_default=True,  # its shared adapter can leave a member worse than training alone
 )
 
 __all__ = ["SPEC", "Atlas", "AtlasClient", "AtlasSection"]

@@ -23,6 +23,7 @@ SPEC = StrategySpec(
     "the clear, unaccounted",
     record_dp_refusal="each client's gradient signature and block salience are made from raw gradients on its "
     "records, outside DP-SGD",
+    guarded_by_default=True,  # its shared adapter can leave a member worse than training alone
 )
 
 __all__ = ["SPEC", "ClientReport", "SimGrad", "SimGradClient", "SimGradSection"]
