@@ -38,7 +38,7 @@ from bench.compare_runs import (
 from bench.numeric_path import lendable, numeric_path, with_paths
 from bench.presets import PRESETS, preset, toml_value
 from bench.report import gap_by_round_table, markdown_table, per_client_table, summarise
-from bench.verdicts import verdict_tables
+from bench.verdicts import guarded_labels, verdict_tables
 from common.data.split import SPLIT_RULE
 from common.section import ConfigError
 
@@ -92,7 +92,9 @@ def write_report(out: Path, report: dict[str, Any], merged: list[dict[str, Any]]
     borrowed = sorted({(r["seed"], r["initial_from"]) for r in report["runs"] if r.get("initial_from")})
     summaries = summarise(rows, baseline, walls)
     references = report.get("references", [report["baseline"]])
-    verdicts, report["verdicts"] = verdict_tables(rows, references, report.get("primary"))
+    verdicts, report["verdicts"] = verdict_tables(
+        rows, references, report.get("primary"), guarded=guarded_labels(report)
+    )
     (out / "compare.json").write_text(json.dumps(report, indent=1))
     failed = [f"{r['strategy']} seed {r['seed']}: {r['error']}" for r in report["runs"] if not r.get("ok")]
     text = [

@@ -118,7 +118,16 @@ def resolved_settings(config: str, pyproject: Path = PYPROJECT) -> dict[str, Any
     where = {"run-dir", "resume"}  # where the run writes, not what it computes
     where |= {f"data.{key}" for key in cfg.data.unread()}  # what its data source does not read
     kept = {k: v for k, v in cfg.to_flat().items() if k.partition(".")[0] not in unread and k not in where}
-    return json.loads(json.dumps(kept))
+    kept["guard.enabled"] = cfg.guarded  # what 'auto' came to for this strategy and split
+    return read_guard(json.loads(json.dumps(kept)))
+
+
+def read_guard(settings: dict[str, Any]) -> dict[str, Any]:
+    """A run's settings with the guard's keys only where the guard ran (``guard.enabled`` true): an unguarded run
+    reads none of them, so a run recorded before one of their defaults changed is the same run."""
+    if settings.get("guard.enabled") is not False:
+        return settings
+    return {k: v for k, v in settings.items() if not k.startswith("guard.") or k == "guard.enabled"}
 
 
 def default_settings(pyproject: Path = PYPROJECT) -> dict[str, Any]:
@@ -136,6 +145,7 @@ def same_settings(recorded: dict[str, Any], settings: dict[str, Any], defaults: 
     at its default (a new key's default keeps the old behaviour, e.g. ``fraction-train=1.0``). Any other
     difference, a key removed since included, is a different run.
     """
+    recorded, settings = read_guard(recorded), read_guard(settings)
     if set(recorded) - set(settings):
         return False
     return all(

@@ -32,7 +32,7 @@ from typing import Any
 from bench.prose_numbers import unsupported
 from bench.robustness import robustness_table
 from bench.stats import MIN_SEEDS
-from bench.verdicts import PRIMARY_STATISTIC, client_records, interval_text, target_status
+from bench.verdicts import PRIMARY_STATISTIC, client_records, guarded_labels, interval_text, target_status
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- bench\.tables (?P<kind>[a-z-]+) (?P<report>\S+) -->$")
@@ -88,7 +88,7 @@ def primary_table(report: dict[str, Any], link: str) -> str:
     lines = [
         heading(report, link),
         "",
-        target_status(report.get("verdicts", []), references, declared),
+        target_status(report.get("verdicts", []), references, declared, guarded_labels(report)),
         "",
         f"| A − B | {declared}, per seed | {declared} [95 %, seed-aware] | p (bootstrap / t) | Holm p | verdict "
         f"| {beside} [95 %] (exploratory) | clients better / worse |",
@@ -149,7 +149,7 @@ def before_after_table(report: dict[str, Any], link: str) -> str:
     lines += [
         "",
         f"{kept} of {len(before)} verdicts resolved then still stand. Now: "
-        + target_status(now.values(), references, primary_statistic(report)),
+        + target_status(now.values(), references, primary_statistic(report), guarded_labels(report)),
     ]
     return "\n".join(lines)
 

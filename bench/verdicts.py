@@ -14,7 +14,7 @@ corrected for their number, over flat rows (one per strategy, seed, client and r
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from bench.report import Row, client_labels, final_round, strategies_in
@@ -104,10 +104,12 @@ def verdict_tables(
     primary: dict[str, Any] | None = None,
     replicates: int = 2000,
     level: float = 0.95,
+    guarded: Collection[str] = (),
 ) -> tuple[str, list[dict]]:
     """Every strategy against every reference it is not (worst and mean client, per client), the preset's primary
     claims (``primary``: ``{"statistic", "references"}``; default the worst client against ``references``) Holm-
-    corrected. Returns the markdown and the same as records (for compare.json)."""
+    corrected. ``guarded``: the labels that ran with the do-no-harm guard (``guarded_labels``), judged for it.
+    Returns the markdown and the same as records (for compare.json)."""
     from bench.stats import (
         BETTER,
         STATISTICS,
@@ -212,7 +214,7 @@ def verdict_tables(
             f"{verdicts.count(UNRESOLVED)} | {worse or '–'} |"
         )
     parts = [
-        target_status(records, primary["references"], primary["statistic"]),
+        target_status(records, primary["references"], primary["statistic"], guarded),
         "",
         f"**Primary claims** (declared by the preset: {primary['statistic']} of every strategy against "
         f"{', '.join(primary['references'])}; Holm-corrected over these {len(family)}, family-wise {pct}):",
@@ -236,6 +238,7 @@ def target_status(
     records: Iterable[dict[str, Any]],
     references: Sequence[str] = ("local", "fedavg"),
     statistic: str = PRIMARY_STATISTIC,
+    guarded: Collection[str] = (),
 ) -> str:
     """The evidence target, read off the verdict records: a strategy whose ``statistic`` (the preset's declared
     one: the worst client unless it names the mean client) is better than every reference's (its primary, corrected
@@ -275,7 +278,7 @@ def target_status(
         )
     else:
         status = "Target not met" + (f" ({'; '.join(why)})." if why else ": no strategy to judge.")
-    return status + do_no_harm_status(by_pair, candidates, references[0])
+    return status + do_no_harm_status(by_pair, [c for c in candidates if c in guarded or guard_label(c)], references[0])
 
 
 def client_records(
@@ -295,16 +298,27 @@ def largest_harm(by_pair: dict[tuple[str, str, str], dict[str, Any]], a: str, re
     return f"client {client} {interval_text(record)}"
 
 
-def guarded(label: str) -> bool:
-    """Whether a strategy label runs with the do-no-harm option (``common.guard``)."""
+def guard_label(label: str) -> bool:
+    """Whether a strategy label asks for the do-no-harm guard (``common.guard``) by name."""
     return bool(re.search(r"(^|[\s:])guard\.enabled=(true|1)\b", label, flags=re.IGNORECASE))
 
 
-def do_no_harm_status(by_pair: dict[tuple[str, str, str], dict[str, Any]], candidates: list[str], local: str) -> str:
-    """The target's second half, for every strategy run with the guard: worse than ``local`` on no client
-    (per client, seed-aware). Empty when no strategy ran with it."""
+def guarded_labels(report: dict[str, Any]) -> set[str]:
+    """The labels whose runs ran with the guard, by name or by default (SimGrad's, ATLAS's and MIRA's since
+    2026-12-03: a run's resolved ``guard.enabled``, ``bench.compare_runs.resolved_settings``)."""
+    runs = report.get("runs", [])
+    return {
+        run["strategy"]
+        for run in runs
+        if guard_label(run["strategy"]) or run.get("settings", {}).get("guard.enabled") is True
+    }
+
+
+def do_no_harm_status(by_pair: dict[tuple[str, str, str], dict[str, Any]], guarded: list[str], local: str) -> str:
+    """The target's second half, for every strategy run with the guard (``guarded``): worse than ``local`` on no
+    client (per client, seed-aware). Empty when no strategy ran with it."""
     lines = []
-    for a in (c for c in candidates if guarded(c)):
+    for a in guarded:
         clients = client_records(by_pair, a, local)
         if clients is None:
             lines.append(f"{a}: no pair with {local}")

@@ -36,7 +36,7 @@ from bench.report import (
     worst,
     worst_by_round,
 )
-from bench.verdicts import verdict_tables
+from bench.verdicts import guarded_labels, verdict_tables
 from strategies import load_run_config
 
 
@@ -201,6 +201,22 @@ def test_a_run_is_reused_only_with_the_settings_it_ran_with(tmp_path):
     assert "pqlora.blocks" not in resolved_settings("strategy='fedavg'")
     assert resolved_settings("run-dir='/a'") == resolved_settings("run-dir='/b'")  # where it writes is not what it is
     assert resolved_settings("strategy='local' local.adapter='pqlora'")["pqlora.blocks"] == 24
+
+
+def test_a_run_records_whether_it_was_guarded_and_the_guards_keys_only_where_it_was():
+    """``guard.enabled = 'auto'`` is recorded as what it came to; an unguarded run made before a guard default changed
+    (``guard.examples`` was 16) is still the same run, a guarded one is not."""
+    defaults = default_settings()
+    simgrad = resolved_settings("strategy='simgrad' data.validation-fraction=0.2")
+    assert simgrad["guard.enabled"] is True and simgrad["guard.examples"] == 64
+    assert resolved_settings("strategy='simgrad'")["guard.enabled"] is False  # no validation split: off
+    fedavg = resolved_settings("strategy='fedavg' data.validation-fraction=0.2")
+    assert fedavg["guard.enabled"] is False
+    assert [k for k in fedavg if k.startswith("guard.")] == ["guard.enabled"]
+    recorded = {**fedavg, "guard.examples": 16, "guard.reference": "alone"}
+    assert same_settings(recorded, fedavg, defaults)
+    assert not same_settings({**simgrad, "guard.examples": 16}, simgrad, defaults)
+    assert not same_settings({**fedavg, "guard.enabled": True}, fedavg, defaults)
 
 
 def test_a_key_added_after_a_run_matches_only_at_its_default(tmp_path):
@@ -566,6 +582,11 @@ def test_the_target_judges_every_guarded_strategy_on_harm_to_any_client():
     one_seed = [r for r in rows if r["seed"] == 0]
     status = verdict_tables(one_seed, ["local", "fedavg"], replicates=200)[0].splitlines()[0]
     assert f"{guarded}: not judged yet (1 seed, 3 needed)" in status  # "worse on no client" would be vacuous
+    # a label guarded by default (its runs' resolved guard.enabled) is judged as one guarded by name
+    report = {"runs": [{"strategy": unguarded, "settings": {"guard.enabled": True}}, {"strategy": "fedavg"}]}
+    assert guarded_labels(report) == {unguarded}
+    status = verdict_tables(rows, ["local", "fedavg"], replicates=500, guarded=guarded_labels(report))[0]
+    assert f"{unguarded}: worse on client 3 of 4" in status.splitlines()[0]
 
 
 def test_each_run_says_when_it_starts_and_how_long_the_rest_will_take():
