@@ -201,6 +201,17 @@ class RunConfig(Section):
             and not self.dp.record_enabled
         )
 
+    def unguarded_why(self) -> str | None:
+        """Why ``guard.enabled = "auto"`` left off the guard this run's strategy would have by default (None: it is
+        on, asked off, or the strategy has none): what the operator changes to have it."""
+        if self.guard.enabled != "auto" or self.guarded or self._plan is None or not self._plan.guarded_by_default:
+            return None
+        if self.dp.record_enabled:
+            return "record-level DP (dp.record-epsilon) is on: it chooses on validation records outside DP-SGD"
+        if self.data.validation_fraction == 0:
+            return "no validation split to choose on: set data.validation-fraction > 0 (e.g. 0.2)"
+        return "evaluation reports the validation split (data.eval-split): it would choose on what it reports"
+
     def train_settings(self) -> TrainSection:
         """The local-training settings for this run's adapter (e.g. PQ-LoRA has its own learning rate)."""
         overrides = self.section(self._planned().adapter_section).train_overrides()

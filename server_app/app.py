@@ -114,13 +114,16 @@ def start_federation(grid: Grid, context: Context) -> tuple[Federation, tuple[di
     if cfg.secure and not strategy.aggregates:
         log.info("secure=true: strategy %s sends the server no adapter, so SecAgg+ has nothing to mask", cfg.strategy)
     log.info(
-        "strategy=%s secure=%s rounds=%d nodes=%s run-dir=%s",
+        "strategy=%s secure=%s rounds=%d nodes=%s run-dir=%s guard=%s",
         cfg.strategy,
         cfg.secure,
         cfg.num_server_rounds,
         node_ids,
         run.path,
+        cfg.guarded,
     )
+    if why := cfg.unguarded_why():  # the member's protection against training alone is off: say so, and how
+        log.warning("guard.enabled=auto: the do-no-harm guard of strategy %s is off: %s", cfg.strategy, why)
     admission = Admission(bind=cfg.robust.bind_partitions)
     checkpoint = run.load_checkpoint() if cfg.resume else None
     if checkpoint is not None:  # partitions stay bound to the nodes that held them (robust.bind-partitions)

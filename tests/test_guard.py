@@ -249,5 +249,11 @@ def test_the_strategys_adapter_is_kept_only_where_it_wins_by_the_margin_the_exam
 def test_the_guard_is_on_by_default_for_the_strategies_that_can_harm_a_member(settings, guarded):
     cfg = load_run_config(settings)
     assert cfg.guarded is guarded
+    by_default = settings["strategy"] in ("simgrad", "atlas", "mira") and "guard.enabled" not in settings
+    off_by_auto = by_default and not guarded
+    why = cfg.unguarded_why()  # what the server logs where 'auto' left a strategy's guard off
+    assert (why is not None) is off_by_auto
+    if off_by_auto:
+        assert "data.validation-fraction" in why or "data.eval-split" in why
     state_keys = strategy_spec(cfg.strategy).state_keys(cfg)
     assert (guard_state_key(cfg.guard.reference) in state_keys) is guarded
