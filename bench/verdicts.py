@@ -304,14 +304,10 @@ def guard_label(label: str) -> bool:
 
 
 def guarded_labels(report: dict[str, Any]) -> set[str]:
-    """The labels whose runs ran with the guard, by name or by default (SimGrad's, ATLAS's and MIRA's since
-    2026-12-03: a run's resolved ``guard.enabled``, ``bench.compare_runs.resolved_settings``)."""
-    runs = report.get("runs", [])
-    return {
-        run["strategy"]
-        for run in runs
-        if guard_label(run["strategy"]) or run.get("settings", {}).get("guard.enabled") is True
-    }
+    """The labels whose runs recorded the guard on (a run's resolved ``guard.enabled``,
+    ``bench.compare_runs.resolved_settings``): by default SimGrad's, ATLAS's and MIRA's since 2026-12-03.
+    ``target_status`` adds the labels that name it (``guard_label``), for reports older than recorded settings."""
+    return {run["strategy"] for run in report.get("runs", []) if run.get("settings", {}).get("guard.enabled") is True}
 
 
 def do_no_harm_status(by_pair: dict[tuple[str, str, str], dict[str, Any]], guarded: list[str], local: str) -> str:

@@ -189,28 +189,28 @@ class RunConfig(Section):
     @property
     def guarded(self) -> bool:
         """Whether this run's clients run the do-no-harm guard: ``guard.enabled`` as set, or with ``auto`` (its
-        default) where the strategy guards by default and the run can: a validation split to choose on, which
-        evaluation does not report, and no record-level DP (``GuardSection``)."""
+        default) where the strategy guards by default and nothing of the run stops it (``auto_guard_blocked``)."""
         if self.guard.enabled != "auto":
             return bool(self.guard.enabled)
-        return (
-            self._plan is not None
-            and self._plan.guarded_by_default
-            and self.data.validation_fraction > 0
-            and self.data.eval_split == "test"
-            and not self.dp.record_enabled
-        )
+        return self._plan is not None and self._plan.guarded_by_default and self.auto_guard_blocked() is None
 
-    def unguarded_why(self) -> str | None:
-        """Why ``guard.enabled = "auto"`` left off the guard this run's strategy would have by default (None: it is
-        on, asked off, or the strategy has none): what the operator changes to have it."""
-        if self.guard.enabled != "auto" or self.guarded or self._plan is None or not self._plan.guarded_by_default:
-            return None
+    def auto_guard_blocked(self) -> str | None:
+        """What of this run keeps ``guard.enabled = "auto"`` off, as the change that would allow it (None:
+        nothing): record-level DP, no validation split, or evaluation on the validation split."""
         if self.dp.record_enabled:
             return "record-level DP (dp.record-epsilon) is on: it chooses on validation records outside DP-SGD"
         if self.data.validation_fraction == 0:
             return "no validation split to choose on: set data.validation-fraction > 0 (e.g. 0.2)"
-        return "evaluation reports the validation split (data.eval-split): it would choose on what it reports"
+        if self.data.eval_split != "test":
+            return "evaluation reports the validation split (data.eval-split): it would choose on what it reports"
+        return None
+
+    def unguarded_why(self) -> str | None:
+        """Why ``guard.enabled = "auto"`` left off the guard this run's strategy would have by default (None: it is
+        on, asked off, or the strategy has none): what the operator changes to have it."""
+        if self.guard.enabled != "auto" or self._plan is None or not self._plan.guarded_by_default:
+            return None
+        return self.auto_guard_blocked()
 
     def train_settings(self) -> TrainSection:
         """The local-training settings for this run's adapter (e.g. PQ-LoRA has its own learning rate)."""

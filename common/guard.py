@@ -8,7 +8,8 @@ mixes towards its own last trained adapter: for each share ``s`` in ``guard.shar
 ``s * server + (1 - s) * own``; the share with the lowest validation loss is kept (ties go to the larger share, the
 server's side). Share 1 is the strategy as it is, share 0 the client's own adapter; ``shares = [0, 1]`` adopts or
 refuses, intermediate shares learn how much to mix in.
- What is compared: the parameters the client trained in its last round (``snapshot``), kept in the client state
+
+What is compared: the parameters the client trained in its last round (``snapshot``), kept in the client state
 under ``GUARD_STATE_KEY``. Parameters it did not train are left as the message set them. The first message of a run
 has no own adapter yet, and neither has a client whose server candidate equals its own (local-only): both skip the
 comparison. With ``reference = "alone"`` the choice is ``strategy_kept``: the strategy's adapter must beat the one
